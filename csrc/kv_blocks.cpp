@@ -1,0 +1,183 @@
+#include "kv_blocks.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+#include <thread>
+
+namespace psrl::kv {
+namespace {
+
+// Below this many bytes per worker, thread start-up costs more than it saves.
+constexpr size_t kMinBytesPerThread = size_t{1} << 20;
+constexpr int kMaxDefaultThreads = 8;
+
+size_t checked_mul(size_t a, size_t b, const char* what) {
+  size_t out = 0;
+  if (__builtin_mul_overflow(a, b, &out)) {
+    throw std::invalid_argument(std::string(what) + " overflows size_t");
+  }
+  return out;
+}
+
+void require_positive(int64_t value, const char* name) {
+  if (value <= 0) {
+    throw std::invalid_argument(std::string(name) + " must be positive, got " + std::to_string(value));
+  }
+}
+
+void validate_layout(const PagedCacheLayout& layout) {
+  require_positive(layout.num_blocks, "num_blocks");
+  require_positive(layout.block_size, "block_size");
+  require_positive(layout.num_kv_heads, "num_kv_heads");
+  require_positive(layout.head_size, "head_size");
+  if (layout.itemsize != 2 && layout.itemsize != 4) {
+    throw std::invalid_argument("itemsize must be 2 (fp16/bf16) or 4 (fp32), got " +
+                                std::to_string(layout.itemsize));
+  }
+  (void)layout.block_bytes();  // throws on overflow
+}
+
+// One (layer, kv, block) unit -> its cache address and its buffer address.
+struct UnitAddress {
+  char* cache;
+  char* buffer;
+};
+
+UnitAddress unit_address(const CopyPlan& plan, size_t unit, size_t block_bytes) {
+  const size_t num_ids = plan.block_ids.size();
+  const size_t id_index = unit % num_ids;
+  const size_t layer_kv = unit / num_ids;
+  const size_t layer = layer_kv / 2;
+  const int64_t kv = static_cast<int64_t>(layer_kv % 2);
+  const int64_t offset = kv * plan.layout.kv_stride_bytes() +
+                         plan.block_ids[id_index] * plan.layout.block_stride_bytes();
+  char* cache = reinterpret_cast<char*>(plan.layer_ptrs[layer]) + offset;
+  char* buffer = reinterpret_cast<char*>(plan.buffer) + unit * block_bytes;
+  return {cache, buffer};
+}
+
+void copy_unit_range(const CopyPlan& plan, CopyDirection direction, size_t begin, size_t end) {
+  const size_t block_bytes = plan.layout.block_bytes();
+  for (size_t unit = begin; unit < end; ++unit) {
+    const UnitAddress addr = unit_address(plan, unit, block_bytes);
+    if (direction == CopyDirection::kGather) {
+      std::memcpy(addr.buffer, addr.cache, block_bytes);
+    } else {
+      std::memcpy(addr.cache, addr.buffer, block_bytes);
+    }
+  }
+}
+
+}  // namespace
+
+size_t PagedCacheLayout::block_bytes() const {
+  size_t n = checked_mul(static_cast<size_t>(block_size), static_cast<size_t>(num_kv_heads), "block size");
+  n = checked_mul(n, static_cast<size_t>(head_size), "block size");
+  return checked_mul(n, static_cast<size_t>(itemsize), "block size");
+}
+
+size_t transfer_nbytes(const PagedCacheLayout& layout, size_t num_layers, size_t num_ids) {
+  const size_t units = checked_mul(checked_mul(num_layers, 2, "transfer"), num_ids, "transfer");
+  return checked_mul(units, layout.block_bytes(), "transfer");
+}
+
+int default_num_threads() {
+  const unsigned hw = std::thread::hardware_concurrency();
+  return std::max(1, std::min(static_cast<int>(hw), kMaxDefaultThreads));
+}
+
+CopyPlan make_copy_plan(const PagedCacheLayout& layout, std::vector<uintptr_t> layer_ptrs,
+                        const int64_t* block_ids, size_t num_ids, uintptr_t buffer,
+                        size_t buffer_nbytes, CopyDirection direction) {
+  validate_layout(layout);
+  if (layer_ptrs.empty()) {
+    throw std::invalid_argument("layer_ptrs is empty: need at least one layer");
+  }
+  for (size_t i = 0; i < layer_ptrs.size(); ++i) {
+    if (layer_ptrs[i] == 0) {
+      throw std::invalid_argument("layer_ptrs[" + std::to_string(i) + "] is a null pointer");
+    }
+  }
+  std::vector<bool> seen;
+  if (direction == CopyDirection::kScatter) {
+    seen.assign(static_cast<size_t>(layout.num_blocks), false);
+  }
+  for (size_t i = 0; i < num_ids; ++i) {
+    const int64_t id = block_ids[i];
+    if (id < 0 || id >= layout.num_blocks) {
+      throw std::out_of_range("block_ids[" + std::to_string(i) + "] = " + std::to_string(id) +
+                              " is out of range for a cache of " + std::to_string(layout.num_blocks) +
+                              " blocks");
+    }
+    if (direction == CopyDirection::kScatter) {
+      if (seen[static_cast<size_t>(id)]) {
+        throw std::invalid_argument("block_ids[" + std::to_string(i) + "] = " + std::to_string(id) +
+                                    " repeats: scatter targets must be distinct");
+      }
+      seen[static_cast<size_t>(id)] = true;
+    }
+  }
+  const size_t expected = transfer_nbytes(layout, layer_ptrs.size(), num_ids);
+  if (buffer_nbytes != expected) {
+    throw std::invalid_argument("buffer has " + std::to_string(buffer_nbytes) + " bytes, expected " +
+                                std::to_string(expected) + " for " + std::to_string(layer_ptrs.size()) +
+                                " layers x 2 x " + std::to_string(num_ids) + " blocks");
+  }
+  if (expected > 0 && buffer == 0) {
+    throw std::invalid_argument("buffer is a null pointer");
+  }
+  CopyPlan plan;
+  plan.layout = layout;
+  plan.layer_ptrs = std::move(layer_ptrs);
+  plan.block_ids.assign(block_ids, block_ids + num_ids);
+  plan.buffer = buffer;
+  plan.buffer_nbytes = buffer_nbytes;
+  return plan;
+}
+
+void copy_blocks_host(const CopyPlan& plan, CopyDirection direction, int num_threads) {
+  const size_t units = plan.num_units();
+  if (units == 0) {
+    return;
+  }
+  if (num_threads <= 0) {
+    num_threads = default_num_threads();
+  }
+  const size_t by_size = std::max<size_t>(1, plan.buffer_nbytes / kMinBytesPerThread);
+  const size_t workers = std::min({static_cast<size_t>(num_threads), units, by_size});
+  if (workers <= 1) {
+    copy_unit_range(plan, direction, 0, units);
+    return;
+  }
+  // Contiguous unit ranges keep each worker's buffer side sequential.
+  const size_t per_worker = units / workers;
+  const size_t remainder = units % workers;
+  std::vector<std::thread> threads;
+  threads.reserve(workers - 1);
+  size_t begin = 0;
+  size_t caller_begin = 0;
+  size_t caller_end = 0;
+  for (size_t w = 0; w < workers; ++w) {
+    const size_t end = begin + per_worker + (w < remainder ? 1 : 0);
+    if (w + 1 == workers) {
+      caller_begin = begin;  // the calling thread takes the last range itself
+      caller_end = end;
+    } else {
+      try {
+        threads.emplace_back(copy_unit_range, std::cref(plan), direction, begin, end);
+      } catch (const std::system_error&) {
+        copy_unit_range(plan, direction, begin, end);  // out of threads: do it here
+      }
+    }
+    begin = end;
+  }
+  copy_unit_range(plan, direction, caller_begin, caller_end);
+  for (std::thread& t : threads) {
+    t.join();
+  }
+}
+
+}  // namespace psrl::kv

@@ -1,0 +1,1 @@
+"""psrl-gateway: rollout gateway for RL post-training."""

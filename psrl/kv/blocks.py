@@ -1,0 +1,308 @@
+"""Typed gather/scatter of paged KV-cache blocks for KV migration between engines.
+
+Moves the blocks named by a block-id list, all layers at once, between per-layer paged caches
+(vLLM FlashAttention layout ``[2, num_blocks, block_size, num_kv_heads, head_size]``) and one
+contiguous ``[num_layers, 2, num_ids, block_size, num_kv_heads, head_size]`` buffer, over the native
+``psrl._kvx`` module. Accepts numpy arrays and torch tensors (duck-typed; torch is never imported here):
+host memory takes the threaded memcpy path, CUDA tensors the one-kernel CUDA path.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+import psrl._kvx as _kvx  # native module; mypy treats it as untyped
+
+__all__ = [
+    "HAS_CUDA",
+    "KVCacheLayout",
+    "buffer_shape",
+    "describe_kv_cache",
+    "gather_blocks",
+    "scatter_blocks",
+    "transfer_nbytes",
+]
+
+HAS_CUDA: bool = bool(_kvx.HAS_CUDA)
+
+# A numpy array or a torch tensor (CPU or CUDA); see _TensorView for what is read from it.
+ArrayLike = Any
+BlockIds = Sequence[int] | npt.NDArray[np.integer] | Any
+
+_SUPPORTED_ITEMSIZES = (2, 4)
+
+
+@dataclass(frozen=True)
+class _TensorView:
+    """What the native module needs from one numpy array or torch tensor."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements
+    itemsize: int
+    dtype: str  # "float16", "bfloat16", "float32", ... the same for numpy and torch
+    cuda_device: int | None  # None: host memory
+    writeable: bool = True
+
+
+def _is_torch_tensor(obj: object) -> bool:
+    return hasattr(obj, "data_ptr") and hasattr(obj, "element_size") and hasattr(obj, "is_cuda")
+
+
+def _view(obj: ArrayLike, name: str) -> _TensorView:
+    if isinstance(obj, np.ndarray):
+        itemsize = int(obj.itemsize)
+        if any(s % itemsize for s in obj.strides):
+            raise ValueError(f"{name}: strides {obj.strides} are not whole elements of {itemsize} bytes")
+        return _TensorView(
+            ptr=int(obj.ctypes.data),
+            shape=tuple(int(n) for n in obj.shape),
+            strides=tuple(int(s) // itemsize for s in obj.strides),
+            itemsize=itemsize,
+            dtype=str(obj.dtype),
+            cuda_device=None,
+            writeable=bool(obj.flags.writeable),
+        )
+    if _is_torch_tensor(obj):
+        device = obj.device
+        if obj.is_cuda:
+            cuda_device: int | None = int(device.index) if device.index is not None else 0
+        elif getattr(device, "type", "cpu") == "cpu":
+            cuda_device = None
+        else:
+            raise ValueError(f"{name}: tensors on device {device} are not supported (cpu or cuda only)")
+        return _TensorView(
+            ptr=int(obj.data_ptr()),
+            shape=tuple(int(n) for n in obj.shape),
+            strides=tuple(int(s) for s in obj.stride()),
+            itemsize=int(obj.element_size()),
+            dtype=str(obj.dtype).removeprefix("torch."),
+            cuda_device=cuda_device,
+        )
+    raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(obj).__name__}")
+
+
+def _is_contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    if 0 in shape:
+        return True  # an empty array has no layout to get wrong
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _where(device: int | None) -> str:
+    return "host memory" if device is None else f"cuda:{device}"
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """Shape, strides and placement shared by every layer of a paged KV cache."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    itemsize: int
+    kv_stride: int  # elements between the K and V halves
+    block_stride: int  # elements between consecutive blocks
+    dtype: str  # e.g. "float16", "bfloat16", "float32"
+    cuda_device: int | None  # None: host memory
+    layer_ptrs: tuple[int, ...]
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block of one half (K or V) of one layer."""
+        return self.block_size * self.num_kv_heads * self.head_size * self.itemsize
+
+    def buffer_shape(self, num_ids: int) -> tuple[int, int, int, int, int, int]:
+        return (self.num_layers, 2, num_ids, self.block_size, self.num_kv_heads, self.head_size)
+
+    def transfer_nbytes(self, num_ids: int) -> int:
+        return self.num_layers * 2 * num_ids * self.block_nbytes
+
+
+def describe_kv_cache(layer_caches: Sequence[ArrayLike]) -> KVCacheLayout:
+    """Validate per-layer caches of shape [2, num_blocks, block_size, num_kv_heads, head_size]."""
+    if len(layer_caches) == 0:
+        raise ValueError("layer_caches is empty: need at least one layer")
+    views = [_view(cache, f"layer_caches[{i}]") for i, cache in enumerate(layer_caches)]
+    first = views[0]
+    if len(first.shape) != 5 or first.shape[0] != 2:
+        raise ValueError(
+            "layer_caches[0]: expected shape [2, num_blocks, block_size, num_kv_heads, head_size], "
+            f"got {list(first.shape)}"
+        )
+    if first.itemsize not in _SUPPORTED_ITEMSIZES:
+        raise ValueError(
+            f"layer_caches[0]: dtype {first.dtype} has itemsize {first.itemsize}; "
+            "only 2-byte (fp16/bf16) and 4-byte (fp32) elements are supported"
+        )
+    for i, view in enumerate(views):
+        if view.shape != first.shape:
+            raise ValueError(f"layer_caches[{i}]: shape {list(view.shape)} differs from layer 0 {list(first.shape)}")
+        if view.dtype != first.dtype:
+            raise ValueError(f"layer_caches[{i}]: dtype {view.dtype} differs from layer 0 {first.dtype}")
+        if view.strides[:2] != first.strides[:2]:
+            raise ValueError(
+                f"layer_caches[{i}]: kv/block strides {list(view.strides[:2])} differ from layer 0 "
+                f"{list(first.strides[:2])}"
+            )
+        if view.cuda_device != first.cuda_device:
+            raise ValueError(
+                f"layer_caches[{i}]: lives in {_where(view.cuda_device)}, layer 0 in {_where(first.cuda_device)}"
+            )
+        if not _is_contiguous(view.shape[2:], view.strides[2:]):
+            raise ValueError(
+                f"layer_caches[{i}]: each block [block_size, num_kv_heads, head_size] must be contiguous, "
+                f"got inner strides {list(view.strides[2:])} for shape {list(view.shape[2:])}"
+            )
+    _, num_blocks, block_size, num_kv_heads, head_size = first.shape
+    return KVCacheLayout(
+        num_layers=len(views),
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        itemsize=first.itemsize,
+        kv_stride=first.strides[0],
+        block_stride=first.strides[1],
+        dtype=first.dtype,
+        cuda_device=first.cuda_device,
+        layer_ptrs=tuple(view.ptr for view in views),
+    )
+
+
+def buffer_shape(layer_caches: Sequence[ArrayLike], num_ids: int) -> tuple[int, int, int, int, int, int]:
+    """Shape of the contiguous transfer buffer for num_ids blocks of these caches."""
+    return describe_kv_cache(layer_caches).buffer_shape(num_ids)
+
+
+def transfer_nbytes(layer_caches: Sequence[ArrayLike], num_ids: int) -> int:
+    """Bytes moved when gathering or scattering num_ids blocks of these caches."""
+    return describe_kv_cache(layer_caches).transfer_nbytes(num_ids)
+
+
+def _as_block_ids(block_ids: BlockIds) -> npt.NDArray[np.int64]:
+    source: Any = block_ids
+    if _is_torch_tensor(source):
+        source = source.detach().cpu().numpy()
+    ids = np.asarray(source)
+    if ids.ndim != 1:
+        raise ValueError(f"block_ids must be one-dimensional, got shape {list(ids.shape)}")
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"block_ids must be integers, got dtype {ids.dtype}")
+    return np.ascontiguousarray(ids, dtype=np.int64)
+
+
+def _check_buffer(buffer: _TensorView, layout: KVCacheLayout, num_ids: int, name: str) -> None:
+    if buffer.cuda_device != layout.cuda_device:
+        raise ValueError(f"{name}: lives in {_where(buffer.cuda_device)}, the cache in {_where(layout.cuda_device)}")
+    expected = layout.buffer_shape(num_ids)
+    if buffer.shape != expected:
+        raise ValueError(f"{name}: shape {list(buffer.shape)} does not match expected {list(expected)}")
+    if buffer.dtype != layout.dtype:
+        raise ValueError(f"{name}: dtype {buffer.dtype} differs from the cache dtype {layout.dtype}")
+    if not _is_contiguous(buffer.shape, buffer.strides):
+        raise ValueError(f"{name}: must be contiguous")
+
+
+def _current_stream(device: int) -> int:
+    # The caches are torch tensors, so torch is already imported; use its current stream.
+    torch = sys.modules["torch"]
+    return int(torch.cuda.current_stream(device).cuda_stream)
+
+
+def _copy(
+    layout: KVCacheLayout,
+    ids: npt.NDArray[np.int64],
+    buffer: _TensorView,
+    gather: bool,
+    num_threads: int | None,
+    stream: int | None,
+) -> None:
+    args = (
+        list(layout.layer_ptrs),
+        layout.num_blocks,
+        layout.block_size,
+        layout.num_kv_heads,
+        layout.head_size,
+        layout.itemsize,
+        layout.kv_stride,
+        layout.block_stride,
+        ids,
+        buffer.ptr,
+        layout.transfer_nbytes(len(ids)),
+    )
+    if layout.cuda_device is None:
+        host_copy = _kvx.gather_blocks if gather else _kvx.scatter_blocks
+        host_copy(*args, 0 if num_threads is None else num_threads)
+        return
+    if not HAS_CUDA:
+        raise RuntimeError("psrl._kvx was built without CUDA; rebuild with nvcc available for CUDA tensors")
+    device = layout.cuda_device
+    cuda_stream = _current_stream(device) if stream is None else stream
+    cuda_copy = _kvx.cuda_gather_blocks if gather else _kvx.cuda_scatter_blocks
+    cuda_copy(*args, device, cuda_stream)
+
+
+def gather_blocks(
+    layer_caches: Sequence[ArrayLike],
+    block_ids: BlockIds,
+    out: ArrayLike | None = None,
+    num_threads: int | None = None,
+    stream: int | None = None,
+) -> ArrayLike:
+    """Copy blocks ``block_ids`` (repeats allowed) of every layer into one contiguous buffer.
+
+    Returns ``out`` (or a new array of the cache's kind, dtype and device) of shape
+    ``[num_layers, 2, len(block_ids), block_size, num_kv_heads, head_size]``. For CUDA tensors the copy
+    is enqueued on ``stream`` (default: torch's current stream) and not synchronized. ``num_threads``
+    only applies to host memory (None: min(cpu count, 8)).
+    """
+    layout = describe_kv_cache(layer_caches)
+    ids = _as_block_ids(block_ids)
+    if out is None:
+        out = _new_buffer(layer_caches[0], layout.buffer_shape(len(ids)))
+    buffer = _view(out, "out")
+    _check_buffer(buffer, layout, len(ids), "out")
+    if not buffer.writeable:
+        raise ValueError("out: array is read-only")
+    _copy(layout, ids, buffer, gather=True, num_threads=num_threads, stream=stream)
+    return out
+
+
+def scatter_blocks(
+    buffer: ArrayLike,
+    layer_caches: Sequence[ArrayLike],
+    block_ids: BlockIds,
+    num_threads: int | None = None,
+    stream: int | None = None,
+) -> None:
+    """Copy a buffer laid out as ``gather_blocks`` returns into blocks ``block_ids`` of every layer.
+
+    ``block_ids`` must be distinct (a repeat would make the result depend on copy order).
+    """
+    layout = describe_kv_cache(layer_caches)
+    for i, cache in enumerate(layer_caches):
+        if isinstance(cache, np.ndarray) and not cache.flags.writeable:
+            raise ValueError(f"layer_caches[{i}]: array is read-only")
+    ids = _as_block_ids(block_ids)
+    view = _view(buffer, "buffer")
+    _check_buffer(view, layout, len(ids), "buffer")
+    _copy(layout, ids, view, gather=False, num_threads=num_threads, stream=stream)
+
+
+def _new_buffer(like: ArrayLike, shape: tuple[int, ...]) -> ArrayLike:
+    if isinstance(like, np.ndarray):
+        return np.empty(shape, dtype=like.dtype)
+    return like.new_empty(shape)  # torch: same dtype and device, no torch import needed
