@@ -1,0 +1,232 @@
+"""AsyncEngine: the engine's step loop in one background thread, with per-request asyncio streams.
+
+The thread sleeps on a condition variable while there is no work and runs `Engine.step()` back to back
+while there is; each step's delta outputs are handed to the event loops of their consumers in one
+`call_soon_threadsafe` per loop, so the asyncio side never blocks on the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from psrl.engine.engine import Engine, EngineStats
+from psrl.engine.errors import DuplicateRequestError, EngineDeadError, EngineStepError
+from psrl.engine.request import RequestOutput
+from psrl.engine.sampler import SamplingOptions
+
+logger = logging.getLogger(__name__)
+
+_Item = RequestOutput | BaseException
+
+
+class RequestStream(AsyncIterator[RequestOutput]):
+    """Delta outputs of one request. Ends after the finished output; raises if the engine failed it.
+
+    Leaving it early (cancellation, `aclose()`, or dropping it unfinished) aborts the request.
+    """
+
+    def __init__(self, owner: AsyncEngine, request_id: str) -> None:
+        self.request_id = request_id
+        self._owner = owner
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # cancelled while waiting: the consumer is gone
+            self._close()
+            raise
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finished:
+            self._done = True
+        return item
+
+    async def aclose(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._owner._abort_quietly(self.request_id, self._queue)
+
+    def __del__(self) -> None:
+        if not self._done:
+            self._owner._abort_quietly(self.request_id, self._queue)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[_Item]]] = {}
+        self._streams_lock = threading.Lock()
+        self._wake = threading.Condition()
+        self._shutdown = False
+        self._thread = threading.Thread(target=self._run, name="psrl-engine-step", daemon=True)
+        self._thread.start()
+
+    # ---- public API -----------------------------------------------------------------------------
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingOptions) -> RequestStream:
+        """Add a request and return its stream of delta outputs.
+
+        Validation errors (typed ValueErrors) raise here, before any iteration. Use as
+        `async for out in engine.generate(...)`; must be called with a running event loop.
+        """
+        if self._shutdown or not self._thread.is_alive():
+            raise EngineDeadError("the engine is shut down")
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(self, request_id)
+        with self._streams_lock:
+            if request_id in self._streams:
+                stream._done = True
+                raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
+            self._streams[request_id] = (loop, stream._queue)
+        try:
+            self.engine.add_request(request_id, prompt_token_ids, sampling)
+        except BaseException:
+            stream._done = True
+            with self._streams_lock:
+                self._streams.pop(request_id, None)
+            raise
+        self._notify()
+        return stream
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request; its stream ends with an "abort" output. False if unknown or finished."""
+        aborted = self.engine.abort(request_id)
+        if aborted:
+            self._notify()
+        return aborted
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def load_weights(
+        self,
+        *,
+        seed: int | None = None,
+        path: str | Path | None = None,
+        state_dict: dict[str, torch.Tensor] | None = None,
+        version: int,
+    ) -> None:
+        """Returns once the new weights are in place: at the next step boundary, or at once when idle."""
+        await asyncio.to_thread(self.engine.load_weights, seed=seed, path=path, state_dict=state_dict, version=version)
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._shutdown
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stop the step thread; streams still open end with EngineDeadError."""
+        with self._wake:
+            self._shutdown = True
+            self._wake.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        with self._streams_lock:
+            streams, self._streams = self._streams, {}
+        for request_id in streams:
+            self.engine.abort(request_id)
+        self._deliver([(loop, queue, EngineDeadError("the engine was shut down")) for loop, queue in streams.values()])
+
+    # ---- step thread ----------------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        with self._wake:
+            self._wake.notify()
+
+    def _abort_quietly(self, request_id: str, queue: asyncio.Queue[_Item]) -> None:
+        """A stream was left unfinished: abort its request, unless the id now belongs to a newer stream."""
+        aborted = False
+        try:
+            with self._streams_lock:
+                target = self._streams.get(request_id)
+                if target is None or target[1] is not queue:
+                    return  # already finished, failed or shut down
+                del self._streams[request_id]
+                aborted = self.engine.abort(request_id)
+        except Exception:  # interpreter shutdown in __del__: nothing left to abort
+            logger.debug("abort of %s on stream close failed", request_id, exc_info=True)
+        if aborted:
+            self._notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._shutdown and not self.engine.has_unfinished_requests():
+                    self._wake.wait()
+                if self._shutdown:
+                    return
+            try:
+                outputs: list[RequestOutput] = self.engine.step()
+            except EngineStepError as exc:
+                logger.exception("engine step failed; failing %d request(s)", len(exc.request_ids))
+                self._fail(exc.request_ids, exc)
+                continue
+            except Exception as exc:  # a bug outside the forward: fail everyone rather than die silently
+                logger.exception("engine step raised unexpectedly; failing all requests")
+                self._fail_all(exc)
+                continue
+            self._dispatch(outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        items: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[_Item], _Item]] = []
+        with self._streams_lock:
+            for out in outputs:
+                target = self._streams.get(out.request_id)
+                if target is None:
+                    continue  # the consumer went away; the request was aborted
+                if out.finished:
+                    del self._streams[out.request_id]
+                items.append((target[0], target[1], out))
+        self._deliver(items)
+
+    def _fail(self, request_ids: list[str], exc: BaseException) -> None:
+        items = []
+        with self._streams_lock:
+            for request_id in request_ids:
+                target = self._streams.pop(request_id, None)
+                if target is not None:
+                    items.append((target[0], target[1], exc))
+        self._deliver(items)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._streams_lock:
+            request_ids = list(self._streams)
+        for request_id in request_ids:
+            self.engine.abort(request_id)
+        self._fail(request_ids, exc)
+
+    @staticmethod
+    def _deliver(items: Sequence[tuple[asyncio.AbstractEventLoop, asyncio.Queue[_Item], _Item]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[_Item], _Item]]] = {}
+        for loop, queue, item in items:
+            by_loop.setdefault(loop, []).append((queue, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # that event loop is closed: nobody is listening any more
+                logger.debug("dropping %d output(s) for a closed event loop", len(batch))
+
+
+def _put_all(batch: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)

@@ -1,0 +1,341 @@
+"""The reference engine's synchronous core: admission, one batched forward per step, sampling, stop checks.
+
+Thread-safety: `add_request`, `abort` and the stats take a short lock and can be called from any thread
+while `step()` runs in another; the model forward itself runs outside that lock. `load_weights` builds
+the new weights off to the side and swaps them between two steps.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from psrl.engine.batch import build_paged_batch
+from psrl.engine.config import ModelConfig
+from psrl.engine.errors import (
+    ConfigError,
+    DuplicateRequestError,
+    EmptyPromptError,
+    EngineStepError,
+    InvalidRequestError,
+    KVCacheTooSmallError,
+    MaxModelLenExceededError,
+    TokenOutOfRangeError,
+)
+from psrl.engine.kv_cache import BlockAllocator, CacheConfig, PagedKVCache
+from psrl.engine.model import Qwen2Model
+from psrl.engine.request import Request, RequestOutput, RequestStatus
+from psrl.engine.sampler import Sampler, SampleResult, SamplingOptions
+from psrl.engine.scheduler import ScheduledChunk, Scheduler
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_used_blocks: int
+    num_total_blocks: int
+    block_size: int
+    kv_cache_usage: float  # 0..1
+    kv_capacity_tokens: int  # num_blocks * block_size
+    weight_version: int
+    num_preemptions: int
+
+
+class Engine:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        *,
+        seed: int = 0,
+        weights_path: str | Path | None = None,
+        device: str | torch.device = "cpu",
+        eos_token_ids: tuple[int, ...] | list[int] = (),
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 4096,
+    ) -> None:
+        model_config.validate()
+        cache_config.validate()
+        if max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.device = torch.device(device)
+        self.seed = seed
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = model_config.max_position_embeddings
+
+        self._model = self._build_model(seed=seed if weights_path is None else None, path=weights_path)
+        self.weight_version = 0
+        self.kv_cache = PagedKVCache(model_config, cache_config, device=self.device)
+        self._allocator = BlockAllocator(cache_config.num_blocks)
+        self._scheduler = Scheduler(self._allocator, cache_config.block_size, max_num_seqs, max_num_batched_tokens)
+        self._sampler = Sampler(seed)
+        self._requests: dict[str, Request] = {}
+        self._pending_outputs: list[RequestOutput] = []  # abort notices for the next step to return
+        self._pending_abort_ids: set[str] = set()  # ids stay taken until their abort notice is returned
+        self._lock = threading.Lock()  # requests, queues, blocks, pending outputs
+        self._step_lock = threading.Lock()  # one step at a time; weight swaps between steps
+
+    # ---- weights --------------------------------------------------------------------------------
+
+    @property
+    def model(self) -> Qwen2Model:
+        return self._model
+
+    def _build_model(
+        self,
+        *,
+        seed: int | None = None,
+        path: str | Path | None = None,
+        state_dict: dict[str, torch.Tensor] | None = None,
+    ) -> Qwen2Model:
+        if sum(x is not None for x in (seed, path, state_dict)) != 1:
+            raise ValueError("give exactly one weight source: seed, path or state_dict")
+        if path is not None:
+            return Qwen2Model.from_safetensors(self.model_config, path, device=self.device)
+        if state_dict is not None:
+            return Qwen2Model(self.model_config, state_dict, device=self.device)
+        assert seed is not None
+        return Qwen2Model.random(self.model_config, seed, device=self.device)
+
+    def load_weights(
+        self,
+        *,
+        seed: int | None = None,
+        path: str | Path | None = None,
+        state_dict: dict[str, torch.Tensor] | None = None,
+        version: int,
+    ) -> None:
+        """Build new weights (errors leave the old ones in place), then swap them in between two steps."""
+        model = self._build_model(seed=seed, path=path, state_dict=state_dict)
+        with self._step_lock:
+            self._model = model
+            self.weight_version = version
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingOptions) -> None:
+        sampling.validate()
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise EmptyPromptError(f"request {request_id!r} has an empty prompt")
+        if not all(isinstance(t, int) for t in prompt):
+            raise TokenOutOfRangeError(f"request {request_id!r}: prompt token ids must be integers")
+        vocab = self.model_config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            bad = next(t for t in prompt if not 0 <= t < vocab)
+            raise TokenOutOfRangeError(
+                f"request {request_id!r}: prompt token id {bad} is outside the vocabulary [0, {vocab})"
+            )
+        max_total = self._max_total_tokens(request_id, len(prompt), sampling.max_tokens)
+        request = Request(request_id, prompt, sampling, max_total)
+        with self._lock:
+            if request_id in self._requests or request_id in self._pending_abort_ids:
+                raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
+            self._requests[request_id] = request
+            self._scheduler.add(request)
+
+    def _max_total_tokens(self, request_id: str, prompt_len: int, max_tokens: int | None) -> int:
+        """The most tokens (prompt + output) this request may reach, or a typed error if it cannot run."""
+        kv_capacity = self.cache_config.capacity_tokens
+        if max_tokens is not None:
+            total = prompt_len + max_tokens
+            if total > self.max_model_len:
+                raise MaxModelLenExceededError(
+                    f"request {request_id!r}: prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
+                    f"{total} exceeds max_model_len {self.max_model_len}"
+                )
+            # The last sampled token never needs a KV slot.
+            if total - 1 > kv_capacity:
+                raise KVCacheTooSmallError(
+                    f"request {request_id!r}: prompt + max_tokens needs {total - 1} KV slots but the cache "
+                    f"holds only {kv_capacity} ({self.cache_config.num_blocks} blocks of "
+                    f"{self.cache_config.block_size})"
+                )
+            return total
+        if prompt_len >= self.max_model_len:
+            raise MaxModelLenExceededError(
+                f"request {request_id!r}: prompt of {prompt_len} tokens leaves no room to generate under "
+                f"max_model_len {self.max_model_len}"
+            )
+        if prompt_len > kv_capacity:
+            raise KVCacheTooSmallError(
+                f"request {request_id!r}: prompt of {prompt_len} tokens can never fit in the KV cache "
+                f"({kv_capacity} token slots)"
+            )
+        return min(self.max_model_len, kv_capacity + 1)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now: frees its blocks; the next step() returns its final "abort" output.
+
+        Returns False when the request is unknown or already finished. Once this returns True no further
+        tokens are emitted for the request, even from a step that is running concurrently.
+        """
+        with self._lock:
+            req = self._requests.pop(request_id, None)
+            if req is None:
+                return False
+            self._scheduler.finish(req)
+            self._pending_abort_ids.add(request_id)
+            self._pending_outputs.append(
+                RequestOutput(
+                    request_id=request_id,
+                    new_token_ids=[],
+                    new_logprobs=[] if req.sampling.logprobs is not None else None,
+                    new_top_logprobs=[] if req.sampling.logprobs else None,
+                    finish_reason="abort",
+                    matched_stop_token_id=None,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_cached_tokens=0,
+                    num_output_tokens=req.num_output_tokens,
+                )
+            )
+            return True
+
+    def get_block_ids(self, request_id: str) -> list[int] | None:
+        """The KV block table of a live request (a copy), or None if it is not in the engine."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            return None if req is None else list(req.block_ids)
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            return self._scheduler.has_unfinished() or bool(self._pending_outputs)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward over every scheduled token, sample, and return delta outputs."""
+        with self._step_lock:
+            with self._lock:
+                chunks = self._scheduler.schedule()
+                if not chunks:
+                    return self._take_pending_outputs()
+                batch = build_paged_batch(
+                    chunks, self.cache_config.block_size, self.model_config.num_queries_per_kv, self.device
+                )
+                sampling_chunks = [c for c in chunks if c.samples]
+                options = [c.request.sampling for c in sampling_chunks]
+                generators = [c.request.generator for c in sampling_chunks]
+            model = self._model
+            try:
+                with torch.inference_mode():
+                    logits = model.forward_paged(batch, self.kv_cache.layers)
+                    sampled = self._sampler.sample(logits, options, generators) if options else None
+            except Exception as exc:
+                raise EngineStepError(self._fail_chunks(chunks), exc) from exc
+            with self._lock:
+                return self._take_pending_outputs() + self._update(chunks, sampled)
+
+    def _take_pending_outputs(self) -> list[RequestOutput]:
+        out, self._pending_outputs = self._pending_outputs, []
+        self._pending_abort_ids.clear()
+        return out
+
+    def _fail_chunks(self, chunks: list[ScheduledChunk]) -> list[str]:
+        failed = []
+        with self._lock:
+            for chunk in chunks:
+                req = chunk.request
+                if req.status is not RequestStatus.FINISHED:
+                    self._requests.pop(req.request_id, None)
+                    self._scheduler.finish(req)
+                    failed.append(req.request_id)
+        return failed
+
+    def _update(self, chunks: list[ScheduledChunk], sampled: SampleResult | None) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        row = -1
+        for chunk in chunks:
+            req = chunk.request
+            if chunk.samples:
+                row += 1
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the forward ran: its abort output is already queued
+            req.num_computed_tokens = chunk.start + chunk.num_tokens
+            if not chunk.samples:
+                continue
+            assert sampled is not None
+            token = sampled.token_ids[row]
+            req.token_ids.append(token)
+            finish_reason, matched = self._check_stop(req, token)
+            logprob = sampled.logprobs[row]
+            top = sampled.top_logprobs[row]
+            outputs.append(
+                RequestOutput(
+                    request_id=req.request_id,
+                    new_token_ids=[token],
+                    new_logprobs=None if logprob is None else [logprob],
+                    new_top_logprobs=None if top is None else [top],
+                    finish_reason=finish_reason,
+                    matched_stop_token_id=matched,
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_cached_tokens=0,
+                    num_output_tokens=req.num_output_tokens,
+                )
+            )
+            if finish_reason is not None:
+                self._requests.pop(req.request_id, None)
+                self._scheduler.finish(req)
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> tuple[str | None, int | None]:
+        """vLLM's rules; a stop token ends the request even on its last allowed position."""
+        if not req.sampling.ignore_eos and token in self.eos_token_ids:
+            return "stop", None  # like vLLM: EOS is not reported as a matched stop token
+        if token in req.sampling.stop_token_ids:
+            return "stop", token
+        if req.num_tokens >= req.max_total_tokens:
+            return "length", None
+        return None, None
+
+    # ---- stats ----------------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self._scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._scheduler.waiting)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self._allocator.num_used
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self._allocator.num_total
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self._allocator.num_used / self._allocator.num_total
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.cache_config.capacity_tokens
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return EngineStats(
+                num_running=len(self._scheduler.running),
+                num_waiting=len(self._scheduler.waiting),
+                num_used_blocks=self._allocator.num_used,
+                num_total_blocks=self._allocator.num_total,
+                block_size=self.cache_config.block_size,
+                kv_cache_usage=self._allocator.num_used / self._allocator.num_total,
+                kv_capacity_tokens=self.cache_config.capacity_tokens,
+                weight_version=self.weight_version,
+                num_preemptions=self._scheduler.num_preemptions,
+            )

@@ -1,0 +1,98 @@
+"""Paged KV cache in vLLM's FlashAttention layout, and the free-list allocator of its blocks."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from psrl.engine.config import ModelConfig
+from psrl.engine.errors import ConfigError, OutOfBlocks
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int = 1024
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.block_size * self.num_blocks
+
+    def validate(self) -> None:
+        for name in ("block_size", "num_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class PagedKVCache:
+    """Per layer one contiguous tensor `[2, num_blocks, block_size, num_kv_heads, head_dim]` (0 = K, 1 = V).
+
+    Kept as plain contiguous tensors so the block gather/scatter extension (psrl._kvx) can address them.
+    """
+
+    def __init__(
+        self, model_config: ModelConfig, cache_config: CacheConfig, *, device: str | torch.device = "cpu"
+    ) -> None:
+        self.block_size = cache_config.block_size
+        self.num_blocks = cache_config.num_blocks
+        self.num_kv_heads = model_config.num_key_value_heads
+        self.head_dim = model_config.head_dim
+        shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.layers: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=model_config.dtype, device=device) for _ in range(model_config.num_hidden_layers)
+        ]
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        return (self.block_size, self.num_kv_heads, self.head_dim)
+
+
+class BlockAllocator:
+    """Free list of block ids. Freed blocks go to the back, so recently freed ones are reused last."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self._num_total = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._is_free = [True] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_total(self) -> int:
+        return self._num_total
+
+    @property
+    def num_used(self) -> int:
+        return self._num_total - len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks ({n})")
+        if n > len(self._free):
+            raise OutOfBlocks(n, len(self._free))
+        ids = [self._free.popleft() for _ in range(n)]
+        for i in ids:
+            self._is_free[i] = False
+        return ids
+
+    def free(self, ids: list[int]) -> None:
+        for i in ids:
+            if not 0 <= i < self._num_total:
+                raise ValueError(f"block id {i} is out of range [0, {self._num_total})")
+            if self._is_free[i]:
+                raise ValueError(f"block {i} is freed twice")
+        for i in ids:
+            self._is_free[i] = True
+            self._free.append(i)

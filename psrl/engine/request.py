@@ -1,0 +1,86 @@
+"""Per-request state inside the engine, and the delta output a step returns for it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from psrl.engine.sampler import SamplingOptions
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (a delta: only the new tokens)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float] | None
+    new_top_logprobs: list[list[tuple[int, float]]] | None
+    finish_reason: str | None  # None | "stop" | "length" | "abort"
+    matched_stop_token_id: int | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int  # total so far, this delta included
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Request:
+    """A sequence being generated: its tokens, its KV blocks and how many of its tokens the cache holds."""
+
+    __slots__ = (
+        "block_ids",
+        "generator",
+        "max_total_tokens",
+        "num_computed_tokens",
+        "num_prompt_tokens",
+        "request_id",
+        "sampling",
+        "status",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingOptions,
+        max_total_tokens: int,
+    ) -> None:
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt + output so far
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling = sampling
+        self.max_total_tokens = max_total_tokens  # prompt + output may not exceed this
+        self.block_ids: list[int] = []
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.status = RequestStatus.WAITING
+        self.generator: torch.Generator | None = None
+        if sampling.seed is not None:
+            self.generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens

@@ -1,0 +1,3 @@
+from psrl.gateway.launcher import main
+
+main()

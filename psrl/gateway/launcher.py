@@ -1,0 +1,242 @@
+"""`python -m psrl.gateway`: start the router on the first free port from 8100 and, when no replicas are
+configured, the embedded default (two reference replicas, one with dp_size 2); print how to call it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import yaml
+
+from psrl.gateway.processes import first_free_port, spawn_module, stop_processes
+
+logger = logging.getLogger("psrl.gateway")
+
+
+@dataclass
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    router_port_start: int = 8100
+    worker_urls: list[str] = field(default_factory=list)
+    policy: str = "round_robin"
+    tokenizer_path: str | None = None
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    # The embedded default, used only when worker_urls is empty.
+    embedded_model: str | None = None  # a model folder; default: the tiny one built locally
+    embedded_dp_sizes: list[int] = field(default_factory=lambda: [1, 2])
+    embedded_seed: int = 0
+    embedded_torch_threads: int = 1
+    startup_timeout_s: float = 180.0
+    log_dir: str | None = None
+
+    def validate(self) -> None:
+        if not self.worker_urls and not self.embedded_dp_sizes:
+            raise ValueError("no worker_urls and no embedded replicas: nothing to route to")
+        if any(d < 1 for d in self.embedded_dp_sizes):
+            raise ValueError("embedded_dp_sizes must all be >= 1")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> GatewayConfig:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: the top level must be a mapping")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+
+class RolloutGateway:
+    """Starts and stops the gateway's processes. Usable from Python (tests, training code) or the CLI."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        config.validate()
+        self.config = config
+        self.router_url = ""
+        self._router: subprocess.Popen | None = None
+        self._replicas: list[subprocess.Popen] = []
+
+    @property
+    def embedded(self) -> bool:
+        return not self.config.worker_urls
+
+    def _log(self, name: str) -> Path | None:
+        return Path(self.config.log_dir) / f"{name}.log" if self.config.log_dir else None
+
+    def start(self) -> None:
+        cfg = self.config
+        port = first_free_port(cfg.router_port_start, cfg.host)
+        self.router_url = f"http://{cfg.host}:{port}"
+        args = ["--host", cfg.host, "--port", str(port), "--policy", cfg.policy]
+        if cfg.worker_urls:
+            args += ["--worker-urls", *cfg.worker_urls]
+        for flag, value in (
+            ("--tokenizer-path", cfg.tokenizer_path),
+            ("--api-key", cfg.api_key),
+            ("--admin-api-key", cfg.admin_api_key),
+        ):
+            if value:
+                args += [flag, value]
+        self._router = spawn_module("psrl.router", args, log_file=self._log("router"))
+        try:
+            self._wait_router()
+            if self.embedded:
+                self._start_embedded()
+            self._wait_workers(len(cfg.worker_urls) or len(cfg.embedded_dp_sizes))
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_embedded(self) -> None:
+        cfg = self.config
+        for i, dp in enumerate(cfg.embedded_dp_sizes):
+            args = [
+                "--host",
+                cfg.host,
+                "--port",
+                "0",
+                "--router",
+                self.router_url,
+                "--dp-size",
+                str(dp),
+                "--seed",
+                str(cfg.embedded_seed),
+                "--torch-threads",
+                str(cfg.embedded_torch_threads),
+                "--worker-id",
+                f"replica-{i}",
+            ]
+            if cfg.embedded_model:
+                args += ["--model", cfg.embedded_model]
+            if cfg.admin_api_key:
+                args += ["--router-api-key", cfg.admin_api_key]
+            self._replicas.append(spawn_module("psrl.worker", args, log_file=self._log(f"replica-{i}")))
+
+    def _admin_headers(self) -> dict[str, str]:
+        key = self.config.admin_api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def _check_children(self) -> None:
+        for name, proc in [("router", self._router), *((f"replica-{i}", p) for i, p in enumerate(self._replicas))]:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up")
+
+    def _poll(self, what: str, ready) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        with httpx.Client(base_url=self.router_url, timeout=2.0, headers=self._admin_headers()) as client:
+            while True:
+                self._check_children()
+                try:
+                    if ready(client):
+                        return
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{what} not ready within {self.config.startup_timeout_s}s")
+                time.sleep(0.2)
+
+    def _wait_router(self) -> None:
+        self._poll("router", lambda c: c.get("/health").status_code == 200)
+
+    def _wait_workers(self, n: int) -> None:
+        self._poll(f"{n} workers", lambda c: len(c.get("/workers").json().get("workers", [])) >= n)
+
+    def stop(self) -> None:
+        stop_processes([*self._replicas, *([self._router] if self._router else [])])
+        self._replicas.clear()
+        self._router = None
+
+    def wait(self) -> int:
+        """Block until a child dies (returns its code) or the gateway is stopped."""
+        while True:
+            for proc in [self._router, *self._replicas]:
+                if proc is None:
+                    return 0
+                if proc.poll() is not None:
+                    return proc.returncode or 1
+            time.sleep(0.5)
+
+    def __enter__(self) -> RolloutGateway:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _banner(gw: RolloutGateway) -> str:
+    with httpx.Client(base_url=gw.router_url, timeout=5.0, headers=gw._admin_headers()) as client:
+        workers = client.get("/workers").json()["workers"]
+    model = workers[0]["models"][0]["id"] if workers else "?"
+    instances = sum(w["dp_size"] for w in workers)
+    kind = "embedded default (reference replicas)" if gw.embedded else "configured"
+    url = gw.router_url
+    return f"""
+psrl-gateway is up
+  router    {url}   (OpenAI API under /v1, PSRL /generate, /workers)
+  replicas  {len(workers)} workers, {instances} instances, {kind}, model "{model}"
+
+Try it:
+  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 16}}'
+
+  python -c "from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='none'); \\
+print(c.chat.completions.create(model='{model}', max_tokens=16, \\
+messages=[{{'role': 'user', 'content': 'Hello!'}}]).choices[0].message.content)"
+
+Ctrl-C stops the gateway and every process it started.
+"""
+
+
+def parse_args(argv: list[str] | None = None) -> GatewayConfig:
+    p = argparse.ArgumentParser(prog="python -m psrl.gateway", description=__doc__)
+    p.add_argument("--config", help="YAML file with GatewayConfig keys (flags override it)")
+    p.add_argument("--host")
+    p.add_argument("--router-port-start", type=int)
+    p.add_argument("--worker-urls", nargs="*")
+    p.add_argument("--policy")
+    p.add_argument("--tokenizer-path")
+    p.add_argument("--api-key")
+    p.add_argument("--admin-api-key")
+    p.add_argument("--embedded-model")
+    p.add_argument("--embedded-dp-sizes", type=int, nargs="+")
+    p.add_argument("--log-dir")
+    ns = vars(p.parse_args(argv))
+    config_path = ns.pop("config")
+    cfg = GatewayConfig.from_yaml(config_path) if config_path else GatewayConfig()
+    overrides = {k: v for k, v in ns.items() if v is not None}
+    cfg = dataclasses.replace(cfg, **overrides)
+    cfg.validate()
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    gateway = RolloutGateway(parse_args(argv))
+
+    def _on_signal(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # SIGTERM stops the gateway exactly like Ctrl-C
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    code = 0
+    try:
+        gateway.start()
+        print(_banner(gateway), flush=True)
+        code = gateway.wait()
+        if code:
+            logger.error("a gateway process exited with code %s; stopping the rest", code)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        gateway.stop()
+    sys.exit(code)

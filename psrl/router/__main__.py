@@ -1,0 +1,3 @@
+from psrl.router.server import main
+
+main()

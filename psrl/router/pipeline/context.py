@@ -1,0 +1,90 @@
+"""What flows through the pipeline: the prepared generation, the chosen instance, the collected result."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from smg_grpc_proto.generated import vllm_engine_pb2
+
+
+@dataclass
+class SamplingSpec:
+    """Sampling settings in vLLM's terms (top_k -1 = off, max_tokens None = up to the context)."""
+
+    temperature: float | None = None
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def to_proto(self) -> vllm_engine_pb2.SamplingParams:
+        p = vllm_engine_pb2.SamplingParams(
+            top_p=self.top_p,
+            top_k=max(self.top_k, 0),
+            min_p=self.min_p,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            n=1,
+        )
+        if self.temperature is not None:
+            p.temperature = self.temperature
+        if self.max_tokens is not None:
+            p.max_tokens = self.max_tokens
+        if self.logprobs is not None:
+            p.logprobs = self.logprobs
+        if self.seed is not None:
+            p.seed = self.seed
+        return p
+
+
+@dataclass
+class GenerationInput:
+    """One prompt, ready for a replica."""
+
+    request_id: str
+    model: str | None
+    prompt_ids: list[int]
+    sampling: SamplingSpec
+    stream: bool = False
+
+    def to_proto(self, dp_rank: int) -> vllm_engine_pb2.GenerateRequest:
+        return vllm_engine_pb2.GenerateRequest(
+            request_id=self.request_id,
+            tokenized=vllm_engine_pb2.TokenizedInput(input_ids=self.prompt_ids),
+            sampling_params=self.sampling.to_proto(),
+            stream=self.stream,
+            data_parallel_rank=dp_rank,
+        )
+
+
+@dataclass
+class Generation:
+    """Everything one request produced, accumulated the way SMG does it."""
+
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+    matched_stop_token_id: int | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids)

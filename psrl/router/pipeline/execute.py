@@ -1,0 +1,158 @@
+"""Stage 4, execute: one Generate call on the chosen instance, read as deltas and accumulated like SMG.
+
+Accumulation rule (the servicer's framing): chunk token ids are the output; a complete frame's ids count only
+when no chunk came (non-streamed calls), because when streaming it repeats the last chunk's delta.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from smg_grpc_proto.generated import vllm_engine_pb2
+
+from psrl.router.errors import (
+    BadRequest,
+    PromptOverflow,
+    RouterError,
+    WorkerInternalError,
+    WorkerStreamFailed,
+    WorkerTimeout,
+    WorkerUnavailable,
+)
+from psrl.router.pipeline.context import Generation, GenerationInput
+from psrl.router.registry import Instance
+from psrl.router.worker_client import WorkerClients
+
+logger = logging.getLogger(__name__)
+
+_OVERFLOW_MARKERS = ("maximum model length", "maximum context length")
+# Sent by our reference replica once it admits a request (psrl.worker.servicer.ACCEPTED_METADATA_KEY; the
+# router never imports the worker, they meet on the wire).
+ACCEPTED_METADATA_KEY = "x-psrl-accepted"
+
+
+@dataclass
+class Delta:
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+def _logprobs_of(proto: vllm_engine_pb2.OutputLogProbs, want_top: bool):
+    if not proto.token_ids:
+        return None, None
+    top = None
+    if want_top and proto.top_logprobs:
+        top = [list(zip(t.token_ids, t.values)) for t in proto.top_logprobs]
+    return list(proto.token_logprobs), top
+
+
+def map_rpc_error(e: grpc.aio.AioRpcError, *, started: bool, instance: Instance) -> RouterError:
+    """One place where gRPC failures become router errors."""
+    code, detail = e.code(), e.details() or ""
+    where = f"worker {instance.id.base_worker_id} rank {instance.id.dp_rank}"
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        if any(m in detail for m in _OVERFLOW_MARKERS):
+            return PromptOverflow(detail)
+        return BadRequest(detail)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return WorkerTimeout(f"{where} did not finish within the request timeout")
+    if started:
+        return WorkerStreamFailed(f"{where} failed mid-stream ({code.name}): {detail}")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return WorkerUnavailable(f"{where} is unavailable ({code.name}): {detail}")
+    return WorkerInternalError(f"{where} failed ({code.name}): {detail}")
+
+
+class WorkerCall:
+    """One Generate RPC. `start()` waits for the first frame, so connection errors surface before any HTTP
+    response is sent; iterating then yields deltas, and `result` holds the accumulated generation."""
+
+    def __init__(
+        self, clients: WorkerClients, instance: Instance, gen: GenerationInput, timeout_s: float | None
+    ) -> None:
+        self.instance = instance
+        self.gen = gen
+        self.result = Generation()
+        self._want_top = bool(gen.sampling.logprobs)
+        self._call = clients.stub(instance.worker.target).Generate(gen.to_proto(instance.id.dp_rank), timeout=timeout_s)
+        self._first: vllm_engine_pb2.GenerateResponse | None = None
+        self._frames = 0
+        self._saw_chunk = False
+
+    async def _read(self) -> vllm_engine_pb2.GenerateResponse | None:
+        try:
+            frame = await self._call.read()
+        except grpc.aio.AioRpcError as e:
+            started = self._frames > 0 or await self._was_accepted()
+            raise map_rpc_error(e, started=started, instance=self.instance) from e
+        if frame is grpc.aio.EOF:
+            return None
+        self._frames += 1
+        return frame
+
+    async def _was_accepted(self) -> bool:
+        try:
+            metadata = await self._call.initial_metadata()
+        except grpc.aio.AioRpcError:
+            return False
+        return any(key == ACCEPTED_METADATA_KEY for key, _ in metadata or ())
+
+    async def start(self) -> None:
+        self._first = await self._read()
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        frame = self._first if self._frames else await self._read()
+        self._first = None
+        res = self.result
+        while frame is not None:
+            which = frame.WhichOneof("response")
+            if which == "chunk":
+                c = frame.chunk
+                self._saw_chunk = True
+                res.prompt_tokens = c.prompt_tokens or res.prompt_tokens
+                res.cached_tokens = max(res.cached_tokens, c.cached_tokens)
+                lps, top = _logprobs_of(c.output_logprobs, self._want_top)
+                if c.token_ids:
+                    self._extend(list(c.token_ids), lps, top)
+                    yield Delta(list(c.token_ids), lps, top)
+            elif which == "complete":
+                c = frame.complete
+                res.finish_reason = c.finish_reason or "stop"
+                res.prompt_tokens = c.prompt_tokens or res.prompt_tokens
+                res.cached_tokens = max(res.cached_tokens, c.cached_tokens)
+                if c.WhichOneof("matched_stop") == "matched_token_id":
+                    res.matched_stop_token_id = c.matched_token_id
+                if not self._saw_chunk and c.output_ids:
+                    lps, top = _logprobs_of(c.output_logprobs, self._want_top)
+                    self._extend(list(c.output_ids), lps, top)
+                    yield Delta(list(c.output_ids), lps, top)
+                return
+            frame = await self._read()
+        if res.finish_reason is None:
+            raise WorkerStreamFailed(
+                f"worker {self.instance.id.base_worker_id} closed the stream without a complete frame"
+            )
+
+    def _extend(self, ids: list[int], lps: list[float] | None, top) -> None:
+        res = self.result
+        res.output_ids.extend(ids)
+        if lps is not None:
+            if res.logprobs is None:
+                res.logprobs = []
+            res.logprobs.extend(lps)
+        if top is not None:
+            if res.top_logprobs is None:
+                res.top_logprobs = []
+            res.top_logprobs.extend(top)
+
+    async def collect(self) -> Generation:
+        async for _ in self.deltas():
+            pass
+        return self.result

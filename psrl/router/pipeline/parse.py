@@ -1,0 +1,380 @@
+"""Stage 1, parse: validate a request body into typed fields. Pure; every problem is a BadRequest naming it."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from psrl.router.errors import BadRequest, PayloadTooLarge
+from psrl.router.pipeline.context import SamplingSpec
+
+_MISSING = object()
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+# SGLang's default for /generate when max_new_tokens is not sent.
+GENERATE_DEFAULT_MAX_NEW_TOKENS = 128
+
+
+def parse_json_body(raw: bytes, max_bytes: int) -> dict[str, Any]:
+    if len(raw) > max_bytes:
+        raise PayloadTooLarge(f"request body is {len(raw)} bytes; the limit is {max_bytes}")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+# ---- typed field readers -------------------------------------------------------------------------------
+
+
+def _present(body: dict[str, Any], name: str) -> Any:
+    value = body.get(name, _MISSING)
+    return _MISSING if value is None else value
+
+
+def get_bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = _present(body, name)
+    if value is _MISSING:
+        return default
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{name}' must be a boolean, got {type(value).__name__}", param=name)
+    return value
+
+
+def get_int(
+    body: dict[str, Any],
+    name: str,
+    default: int | None,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+) -> int | None:
+    value = _present(body, name)
+    if value is _MISSING:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"'{name}' must be an integer, got {type(value).__name__}", param=name)
+    if minimum is not None and value < minimum:
+        raise BadRequest(f"'{name}' must be >= {minimum}, got {value}", param=name)
+    if maximum is not None and value > maximum:
+        raise BadRequest(f"'{name}' must be <= {maximum}, got {value}", param=name)
+    return value
+
+
+def get_float(
+    body: dict[str, Any],
+    name: str,
+    default: float | None,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    exclusive_min: bool = False,
+) -> float | None:
+    value = _present(body, name)
+    if value is _MISSING:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise BadRequest(f"'{name}' must be a finite number, got {value!r}", param=name)
+    value = float(value)
+    if minimum is not None and (value <= minimum if exclusive_min else value < minimum):
+        op = ">" if exclusive_min else ">="
+        raise BadRequest(f"'{name}' must be {op} {minimum}, got {value}", param=name)
+    if maximum is not None and value > maximum:
+        raise BadRequest(f"'{name}' must be <= {maximum}, got {value}", param=name)
+    return value
+
+
+def get_str(body: dict[str, Any], name: str, default: str | None) -> str | None:
+    value = _present(body, name)
+    if value is _MISSING:
+        return default
+    if not isinstance(value, str):
+        raise BadRequest(f"'{name}' must be a string, got {type(value).__name__}", param=name)
+    return value
+
+
+def get_token_ids(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise BadRequest(f"'{name}' must be a list of integer token ids", param=name)
+    if any(t < 0 for t in value):
+        raise BadRequest(f"'{name}' holds a negative token id", param=name)
+    return value
+
+
+def get_stop(body: dict[str, Any]) -> list[str]:
+    value = _present(body, "stop")
+    if value is _MISSING:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return value
+    raise BadRequest("'stop' must be a string or a list of strings", param="stop")
+
+
+def _common_sampling(body: dict[str, Any], max_tokens: int | None) -> SamplingSpec:
+    stop_ids = _present(body, "stop_token_ids")
+    return SamplingSpec(
+        temperature=get_float(body, "temperature", None, minimum=0.0),
+        top_p=get_float(body, "top_p", 1.0, minimum=0.0, maximum=1.0, exclusive_min=True) or 1.0,
+        top_k=_top_k(body),
+        min_p=get_float(body, "min_p", 0.0, minimum=0.0, maximum=1.0) or 0.0,
+        max_tokens=max_tokens,
+        min_tokens=get_int(body, "min_tokens", 0, minimum=0) or 0,
+        stop=get_stop(body),
+        stop_token_ids=[] if stop_ids is _MISSING else get_token_ids(stop_ids, "stop_token_ids"),
+        ignore_eos=get_bool(body, "ignore_eos", False),
+        skip_special_tokens=get_bool(body, "skip_special_tokens", True),
+        seed=get_int(body, "seed", None),
+        repetition_penalty=get_float(body, "repetition_penalty", 1.0, minimum=0.0, exclusive_min=True) or 1.0,
+        presence_penalty=get_float(body, "presence_penalty", 0.0, minimum=-2.0, maximum=2.0) or 0.0,
+        frequency_penalty=get_float(body, "frequency_penalty", 0.0, minimum=-2.0, maximum=2.0) or 0.0,
+    )
+
+
+def _top_k(body: dict[str, Any]) -> int:
+    top_k = get_int(body, "top_k", -1)
+    assert top_k is not None
+    if top_k == 0 or top_k < -1:
+        raise BadRequest(f"'top_k' must be -1 (off) or >= 1, got {top_k}", param="top_k")
+    return top_k
+
+
+def _n_must_be_one(body: dict[str, Any]) -> None:
+    if get_int(body, "n", 1, minimum=1) != 1:
+        raise BadRequest("only n=1 is supported; send several requests instead", param="n")
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    options = _present(body, "stream_options")
+    if options is _MISSING:
+        return False
+    if not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object", param="stream_options")
+    return get_bool(options, "include_usage", False)
+
+
+# ---- OpenAI chat ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class ChatRequest:
+    model: str | None
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    sampling: SamplingSpec
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    top_logprobs: int
+    add_generation_prompt: bool = True
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _message_content(message: dict[str, Any], index: int) -> str:
+    content = message.get("content")
+    if content is None:
+        if message.get("role") == "assistant":
+            return ""
+        raise BadRequest(f"messages[{index}].content is required", param=f"messages[{index}].content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise BadRequest(
+                    f"messages[{index}].content[{j}] must be a text part ({{'type': 'text', 'text': ...}}); "
+                    "this model takes text only",
+                    param=f"messages[{index}].content",
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+    raise BadRequest(
+        f"messages[{index}].content must be a string or a list of parts", param=f"messages[{index}].content"
+    )
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    messages = _present(body, "messages")
+    if messages is _MISSING:
+        raise BadRequest("'messages' is required", param="messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise BadRequest(f"messages[{i}] must be an object", param=f"messages[{i}]")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise BadRequest(
+                f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}",
+                param=f"messages[{i}].role",
+            )
+        normalized = dict(m)
+        normalized["role"] = "system" if role == "developer" else role
+        normalized["content"] = _message_content(m, i)
+        tool_calls = m.get("tool_calls")
+        if tool_calls is not None and (role != "assistant" or not isinstance(tool_calls, list)):
+            raise BadRequest(
+                f"messages[{i}].tool_calls must be a list on an assistant message",
+                param=f"messages[{i}].tool_calls",
+            )
+        out.append(normalized)
+    return out
+
+
+def parse_chat(body: dict[str, Any]) -> ChatRequest:
+    _n_must_be_one(body)
+    max_tokens = get_int(body, "max_completion_tokens", None, minimum=1)
+    if max_tokens is None:
+        max_tokens = get_int(body, "max_tokens", None, minimum=1)
+    logprobs = get_bool(body, "logprobs", False)
+    top_logprobs = get_int(body, "top_logprobs", 0, minimum=0, maximum=20) or 0
+    if top_logprobs and not logprobs:
+        raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    sampling = _common_sampling(body, max_tokens)
+    sampling.logprobs = top_logprobs if logprobs else None
+    tools = _present(body, "tools")
+    if tools is _MISSING:
+        tools = None
+    elif not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise BadRequest("'tools' must be a list of objects", param="tools")
+    kwargs = _present(body, "chat_template_kwargs")
+    if kwargs is _MISSING:
+        kwargs = {}
+    elif not isinstance(kwargs, dict):
+        raise BadRequest("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    return ChatRequest(
+        model=get_str(body, "model", None),
+        messages=_messages(body),
+        tools=tools,
+        sampling=sampling,
+        stream=get_bool(body, "stream", False),
+        include_usage=_include_usage(body),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        add_generation_prompt=get_bool(body, "add_generation_prompt", True),
+        template_kwargs=kwargs,
+    )
+
+
+# ---- OpenAI completions ---------------------------------------------------------------------------------
+
+
+@dataclass
+class CompletionRequest:
+    model: str | None
+    prompts: list[str | list[int]]
+    sampling: SamplingSpec
+    stream: bool
+    include_usage: bool
+    logprobs: int | None
+
+
+def parse_completion(body: dict[str, Any]) -> CompletionRequest:
+    _n_must_be_one(body)
+    prompt = _present(body, "prompt")
+    if prompt is _MISSING:
+        raise BadRequest("'prompt' is required", param="prompt")
+    prompts: list[str | list[int]]
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        prompts = [get_token_ids(p, "prompt") for p in prompt]
+    elif isinstance(prompt, list) and prompt:
+        prompts = [get_token_ids(prompt, "prompt")]
+    else:
+        raise BadRequest("'prompt' must be a string, a list of strings, or token ids", param="prompt")
+    if get_bool(body, "echo", False):
+        raise BadRequest("'echo' is not supported", param="echo")
+    logprobs = get_int(body, "logprobs", None, minimum=0, maximum=20)
+    sampling = _common_sampling(body, get_int(body, "max_tokens", 16, minimum=1))
+    sampling.logprobs = logprobs
+    stream = get_bool(body, "stream", False)
+    if stream and len(prompts) > 1:
+        raise BadRequest("streaming supports one prompt per request", param="prompt")
+    return CompletionRequest(
+        model=get_str(body, "model", None),
+        prompts=prompts,
+        sampling=sampling,
+        stream=stream,
+        include_usage=_include_usage(body),
+        logprobs=logprobs,
+    )
+
+
+# ---- /generate (SGLang / PSRL shape) ----------------------------------------------------------------------
+
+
+@dataclass
+class GenerateRequestBody:
+    model: str | None
+    prompts: list[list[int] | str]
+    request_ids: list[str | None]
+    sampling: SamplingSpec
+    return_logprob: bool
+    return_prompt_token_ids: bool
+    batched: bool
+
+
+def parse_generate(body: dict[str, Any]) -> GenerateRequestBody:
+    if get_bool(body, "stream", False):
+        raise BadRequest("stream=true is not supported on /generate; use /v1/completions for streaming", param="stream")
+    input_ids = _present(body, "input_ids")
+    text = _present(body, "text")
+    prompts: list[list[int] | str]
+    if input_ids is not _MISSING:
+        if isinstance(input_ids, list) and input_ids and all(isinstance(p, list) for p in input_ids):
+            prompts, batched = [get_token_ids(p, "input_ids") for p in input_ids], True
+        else:
+            prompts, batched = [get_token_ids(input_ids, "input_ids")], False
+    elif text is not _MISSING:
+        if isinstance(text, str):
+            prompts, batched = [text], False
+        elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            prompts, batched = list(text), True
+        else:
+            raise BadRequest("'text' must be a string or a list of strings", param="text")
+    else:
+        raise BadRequest("one of 'input_ids' or 'text' is required", param="input_ids")
+    if any(len(p) == 0 for p in prompts):
+        raise BadRequest("prompt is empty", param="input_ids")
+
+    rid = _present(body, "request_id")
+    if rid is _MISSING:
+        request_ids: list[str | None] = [None] * len(prompts)
+    elif batched and isinstance(rid, list) and len(rid) == len(prompts) and all(isinstance(r, str) for r in rid):
+        request_ids = list(rid)
+    elif not batched and isinstance(rid, (str, int)) and not isinstance(rid, bool):
+        request_ids = [str(rid)]
+    else:
+        raise BadRequest("'request_id' must be a string (a list of strings for a batch)", param="request_id")
+
+    sp = _present(body, "sampling_params")
+    if sp is _MISSING:
+        sp = {}
+    if not isinstance(sp, dict):
+        raise BadRequest("'sampling_params' must be an object", param="sampling_params")
+    _n_must_be_one(sp)
+    max_new = get_int(sp, "max_new_tokens", GENERATE_DEFAULT_MAX_NEW_TOKENS, minimum=1)
+    sampling = _common_sampling(sp, max_new)
+    sampling.seed = get_int(sp, "sampling_seed", sampling.seed)
+    return_logprob = get_bool(body, "return_logprob", False)
+    top_n = get_int(body, "top_logprobs_num", 0, minimum=0, maximum=20) or 0
+    sampling.logprobs = top_n if return_logprob else None
+    return GenerateRequestBody(
+        model=get_str(body, "model", None),
+        prompts=prompts,
+        request_ids=request_ids,
+        sampling=sampling,
+        return_logprob=return_logprob,
+        return_prompt_token_ids=get_bool(body, "return_prompt_token_ids", False),
+        batched=batched,
+    )

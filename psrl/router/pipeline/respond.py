@@ -1,0 +1,165 @@
+"""Stage 5, respond: shape a generation as an OpenAI chat/completion object, SSE chunks, or /generate output."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from psrl.router.pipeline.context import Generation
+from psrl.tokenizer import Tokenizer
+
+
+def usage(gen: Generation) -> dict[str, Any]:
+    return {
+        "prompt_tokens": gen.prompt_tokens,
+        "completion_tokens": gen.completion_tokens,
+        "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
+    }
+
+
+def sum_usage(gens: list[Generation]) -> dict[str, Any]:
+    total = Generation(
+        prompt_tokens=sum(g.prompt_tokens for g in gens), cached_tokens=sum(g.cached_tokens for g in gens)
+    )
+    total.output_ids = [t for g in gens for t in g.output_ids]
+    return usage(total)
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+SSE_DONE = sse("[DONE]")
+
+
+# ---- chat ----------------------------------------------------------------------------------------------
+
+
+def _token_entry(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(
+    tokenizer: Tokenizer, ids: list[int], lps: list[float] | None, top: list[list[tuple[int, float]]] | None
+) -> dict[str, Any] | None:
+    if lps is None:
+        return None
+    content = []
+    for i, (tid, lp) in enumerate(zip(ids, lps)):
+        entry = _token_entry(tokenizer, tid, lp)
+        entry["top_logprobs"] = [_token_entry(tokenizer, a, alp) for a, alp in (top[i] if top else [])]
+        content.append(entry)
+    return {"content": content}
+
+
+def chat_completion(
+    *, request_id: str, created: int, model: str, text: str, gen: Generation, logprobs: dict[str, Any] | None
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "tool_calls": []},
+                "logprobs": logprobs,
+                "finish_reason": gen.finish_reason,
+            }
+        ],
+        "usage": usage(gen),
+    }
+
+
+# ---- completions ---------------------------------------------------------------------------------------
+
+
+def completion_logprobs(
+    tokenizer: Tokenizer,
+    ids: list[int],
+    lps: list[float] | None,
+    top: list[list[tuple[int, float]]] | None,
+    text_offset: int = 0,
+) -> dict[str, Any] | None:
+    if lps is None:
+        return None
+    tokens = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    offsets = []
+    pos = text_offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(lps),
+        "top_logprobs": [{tokenizer.decode([a], skip_special_tokens=False): alp for a, alp in alts} for alts in top]
+        if top
+        else None,
+        "text_offset": offsets,
+    }
+
+
+def completion_choice(index: int, text: str, gen: Generation, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": gen.finish_reason}
+
+
+def completion(
+    *, request_id: str, created: int, model: str, choices: list[dict[str, Any]], gens: list[Generation]
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": sum_usage(gens),
+    }
+
+
+# ---- /generate -----------------------------------------------------------------------------------------
+
+
+def generate_finish_reason(gen: Generation) -> dict[str, Any]:
+    if gen.finish_reason == "length":
+        return {"type": "length", "length": gen.completion_tokens}
+    if gen.finish_reason == "stop":
+        out: dict[str, Any] = {"type": "stop"}
+        if gen.matched_stop_token_id is not None:
+            out["matched"] = gen.matched_stop_token_id
+        return out
+    return {"type": gen.finish_reason or "abort"}
+
+
+def generate_output(
+    *,
+    request_id: str,
+    gen: Generation,
+    weight_version: int,
+    prompt_ids: list[int],
+    return_logprob: bool,
+    return_prompt_token_ids: bool,
+    text: str | None,
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": request_id,
+        "finish_reason": generate_finish_reason(gen),
+        "prompt_tokens": gen.prompt_tokens or len(prompt_ids),
+        "completion_tokens": gen.completion_tokens,
+        "cached_tokens": gen.cached_tokens,
+        "weight_version": weight_version,
+    }
+    if return_logprob:
+        lps = gen.logprobs or []
+        meta["output_token_logprobs"] = [[lp, tid] for lp, tid in zip(lps, gen.output_ids)]
+        if gen.top_logprobs is not None:
+            meta["output_top_logprobs"] = [[[alp, a] for a, alp in alts] for alts in gen.top_logprobs]
+    if return_prompt_token_ids:
+        meta["prompt_token_ids"] = prompt_ids
+    out: dict[str, Any] = {"output_ids": gen.output_ids, "meta_info": meta}
+    if text is not None:
+        out["text"] = text
+    return out

@@ -1,0 +1,88 @@
+"""gRPC side of the router: one channel per worker, and the calls the router makes on it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
+
+from psrl.router.registry import Worker
+from psrl.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    # A dead replica must fail fast so the router can answer 503, not hang in reconnect backoff.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
+]
+
+
+@dataclass(frozen=True)
+class WorkerFacts:
+    dp_size: int
+    max_context_length: int
+    block_size: int
+    served_model_name: str
+
+
+class WorkerClients:
+    """The channel pool: channels are opened lazily and reused by every request to that worker."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, vllm_engine_pb2_grpc.VllmEngineStub] = {}
+
+    def stub(self, target: str) -> vllm_engine_pb2_grpc.VllmEngineStub:
+        stub = self._stubs.get(target)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+            self._channels[target] = channel
+            stub = self._stubs[target] = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        return stub
+
+    async def drop(self, target: str) -> None:
+        self._stubs.pop(target, None)
+        channel = self._channels.pop(target, None)
+        if channel is not None:
+            await channel.close(grace=None)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(self.drop(t) for t in list(self._channels)))
+
+    async def facts(self, target: str, timeout_s: float) -> WorkerFacts:
+        stub = self.stub(target)
+        server, model = await asyncio.gather(
+            stub.GetServerInfo(vllm_engine_pb2.GetServerInfoRequest(), timeout=timeout_s),
+            stub.GetModelInfo(vllm_engine_pb2.GetModelInfoRequest(), timeout=timeout_s),
+        )
+        return WorkerFacts(
+            dp_size=max(1, server.data_parallel_size),
+            max_context_length=model.max_context_length,
+            block_size=server.block_size,
+            served_model_name=model.served_model_name,
+        )
+
+    async def is_healthy(self, worker: Worker, timeout_s: float) -> bool:
+        try:
+            reply = await self.stub(worker.target).HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            logger.debug("health check of worker %s failed: %s", worker.worker_id, e.code())
+            return False
+        return reply.healthy
+
+    async def tokenizer(self, target: str, timeout_s: float = 60.0) -> Tokenizer:
+        data = bytearray()
+        sha = ""
+        async for chunk in self.stub(target).GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=timeout_s):
+            data += chunk.data
+            sha = chunk.sha256 or sha
+        return await asyncio.to_thread(Tokenizer.from_zip_bytes, bytes(data), sha or None)

@@ -1,0 +1,194 @@
+"""A model's tokenizer: `tokenizers` for ids, its Jinja chat template for messages, incremental detokenizing.
+
+Loads `tokenizer.json` + `tokenizer_config.json` from a folder (or from the zip a worker streams with
+GetTokenizer), so the router never needs `transformers` or a model hub.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tempfile
+import zipfile
+from collections.abc import Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class TokenizerLoadError(RuntimeError):
+    """The tokenizer folder or archive is missing files or holds something we cannot read."""
+
+
+class ChatTemplateError(ValueError):
+    """The chat template refused the messages (it raised) or could not be rendered."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config.json stores special tokens either as a string or as an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    """Token ids <-> text, and chat messages -> prompt text through the model's template."""
+
+    def __init__(self, hf: _HFTokenizer, config: dict[str, Any], source: str = "") -> None:
+        self._hf = hf
+        self.config = config
+        self.source = source
+        template = config.get("chat_template")
+        if isinstance(template, list):  # the named-template form: take "default"
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        self._template_text: str | None = template
+        self.eos_token: str | None = _token_content(config.get("eos_token"))
+        self.bos_token: str | None = _token_content(config.get("bos_token"))
+        self.pad_token: str | None = _token_content(config.get("pad_token"))
+
+    # ---- loading -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> Tokenizer:
+        folder = Path(folder)
+        tok_file = folder / "tokenizer.json"
+        if not tok_file.is_file():
+            raise TokenizerLoadError(f"{folder} has no tokenizer.json")
+        try:
+            hf = _HFTokenizer.from_file(str(tok_file))
+        except Exception as e:  # the library raises its own exception type
+            raise TokenizerLoadError(f"cannot read {tok_file}: {e}") from e
+        config: dict[str, Any] = {}
+        cfg_file = folder / "tokenizer_config.json"
+        if cfg_file.is_file():
+            config = json.loads(cfg_file.read_text())
+        jinja_file = folder / "chat_template.jinja"
+        if "chat_template" not in config and jinja_file.is_file():
+            config["chat_template"] = jinja_file.read_text()
+        return cls(hf, config, source=str(folder))
+
+    @classmethod
+    def from_zip_bytes(cls, data: bytes, expected_sha256: str | None = None) -> Tokenizer:
+        """Build from the archive a worker's GetTokenizer streams (checked against its sha256)."""
+        if expected_sha256:
+            got = hashlib.sha256(data).hexdigest()
+            if got != expected_sha256:
+                raise TokenizerLoadError(f"tokenizer archive sha256 {got} != announced {expected_sha256}")
+        try:
+            with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(io.BytesIO(data)) as zf:
+                for name in zf.namelist():
+                    if "/" in name or name.startswith("."):
+                        raise TokenizerLoadError(f"unexpected entry {name!r} in tokenizer archive")
+                zf.extractall(tmp)
+                return cls.from_folder(tmp)
+        except zipfile.BadZipFile as e:
+            raise TokenizerLoadError(f"tokenizer archive is not a zip: {e}") from e
+
+    # ---- ids ----------------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self._hf.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._hf.token_to_id(token)
+
+    @cached_property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        ids = []
+        for tok in (self.eos_token, "<|endoftext|>", "<|im_end|>"):
+            tid = self._hf.token_to_id(tok) if tok else None
+            if tid is not None and tid not in ids:
+                ids.append(tid)
+        return tuple(ids)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    # ---- chat template ------------------------------------------------------------------------
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        if not self._template_text:
+            raise ChatTemplateError("this tokenizer has no chat_template")
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = lambda v, indent=None, ensure_ascii=False, **_: json.dumps(
+            v, indent=indent, ensure_ascii=ensure_ascii
+        )
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            return env.from_string(self._template_text)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template does not compile: {e}") from e
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+        **extra: Any,
+    ) -> str:
+        try:
+            return self._template.render(
+                messages=list(messages),
+                tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **extra,
+            )
+        except ChatTemplateError:
+            raise
+        except (jinja2.TemplateError, TypeError, KeyError, AttributeError) as e:
+            raise ChatTemplateError(f"chat template failed on these messages: {e}") from e
+
+
+class IncrementalDecoder:
+    """Turns a growing list of ids into text deltas without emitting half of a multi-byte character.
+
+    Decodes a small window (the ids since the last clean boundary) rather than the whole output, so the
+    cost per streamed token stays constant.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # window start
+        self._read_offset = 0  # ids before this are already emitted
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        self._ids.extend(new_ids)
+        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+        full = self._tok.decode(self._ids[self._prefix_offset :], self._skip)
+        if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more ids
+            return ""
+        delta = full[len(prefix) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return delta
+
+    def flush(self) -> str:
+        """Whatever is left at the end of the stream (replacement chars included)."""
+        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+        full = self._tok.decode(self._ids[self._prefix_offset :], self._skip)
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return full[len(prefix) :]

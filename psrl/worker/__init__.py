@@ -1,0 +1,1 @@
+"""Replica side: the reference VllmEngine gRPC servicer over the reference engine, and its registration."""

@@ -1,0 +1,3 @@
+from psrl.worker.server import main
+
+main()

@@ -1,0 +1,81 @@
+"""Self-registration with the router: POST /workers (COMPAT section 1) once our own HealthCheck passes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import httpx
+from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+def registration_body(
+    *,
+    grpc_url: str,
+    served_model_name: str,
+    kv_capacity_tokens: int,
+    dp_size: int,
+    kv_block_size: int,
+    worker_id: str | None = None,
+) -> dict:
+    """The body PSRL's replicas send; label values are strings."""
+    body: dict = {
+        "url": grpc_url,
+        "worker_type": "regular",
+        "connection_mode": "grpc",
+        "runtime_type": "vllm",
+        "models": [{"id": served_model_name}],
+        "labels": {
+            "max_model_len": str(kv_capacity_tokens),
+            "dp_size": str(dp_size),
+            "tp_size": "1",
+            "pp_size": "1",
+            "kv_block_size": str(kv_block_size),
+        },
+    }
+    if worker_id is not None:
+        body["id"] = worker_id
+    return body
+
+
+async def wait_until_healthy(target: str, timeout_s: float = 300.0, poll_s: float = 0.2) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        while True:
+            try:
+                reply = await stub.HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=5.0)
+                if reply.healthy:
+                    return
+            except grpc.aio.AioRpcError as e:
+                logger.debug("health check of %s failed: %s", target, e.code())
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"{target} did not become healthy within {timeout_s}s")
+            await asyncio.sleep(poll_s)
+
+
+async def register_with_router(
+    router_url: str, body: dict, *, api_key: str | None = None, timeout_s: float = 300.0
+) -> str:
+    """POST /workers until the router accepts it; returns the worker_id the router assigned."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with httpx.AsyncClient(base_url=router_url.rstrip("/"), timeout=10.0) as client:
+        while True:
+            try:
+                resp = await client.post("/workers", json=body, headers=headers)
+                if resp.status_code < 300:
+                    worker_id = str(resp.json().get("worker_id", ""))
+                    logger.info("registered %s with %s as worker %s", body["url"], router_url, worker_id)
+                    return worker_id
+                if 400 <= resp.status_code < 500:  # the router refuses this body: retrying won't help
+                    raise RuntimeError(f"router refused registration: {resp.status_code} {resp.text}")
+                logger.warning("router answered %s to registration; retrying", resp.status_code)
+            except httpx.TransportError as e:
+                logger.info("router %s not reachable yet (%s); retrying", router_url, e)
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"could not register with {router_url} within {timeout_s}s")
+            await asyncio.sleep(0.5)

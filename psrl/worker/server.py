@@ -1,0 +1,152 @@
+"""`python -m psrl.worker`: one reference replica process serving VllmEngine over gRPC."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+
+import grpc
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
+
+from psrl.engine import AsyncEngine, CacheConfig, Engine
+from psrl.worker.model_folder import build_tiny_model_folder, load_model_folder
+from psrl.worker.registration import register_with_router, registration_body, wait_until_healthy
+from psrl.worker.servicer import ReferenceServicer
+
+logger = logging.getLogger("psrl.worker")
+
+
+@dataclass
+class WorkerArgs:
+    host: str = "127.0.0.1"
+    port: int = 0
+    model: str | None = None
+    served_model_name: str | None = None
+    dp_size: int = 1
+    seed: int = 0
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 4096
+    device: str = "cpu"
+    router: str | None = None
+    router_api_key: str | None = None
+    worker_id: str | None = None
+    torch_threads: int = 0
+
+    def validate(self) -> None:
+        if self.dp_size < 1:
+            raise ValueError("--dp-size must be >= 1")
+        if not 0 <= self.port < 65536:
+            raise ValueError("--port must be in [0, 65535]")
+
+
+def parse_args(argv: list[str] | None = None) -> WorkerArgs:
+    p = argparse.ArgumentParser(prog="python -m psrl.worker", description=__doc__)
+    d = WorkerArgs()
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port, help="0 picks a free port (printed at start)")
+    p.add_argument(
+        "--model",
+        default=d.model,
+        help="model folder (config.json + tokenizer [+ weights]); default: the tiny Qwen2-style folder built locally",
+    )
+    p.add_argument("--served-model-name", default=d.served_model_name)
+    p.add_argument("--dp-size", type=int, default=d.dp_size)
+    p.add_argument("--seed", type=int, default=d.seed, help="weight seed when the folder has no weights")
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--num-blocks", type=int, default=d.num_blocks)
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--router", default=d.router, help="router URL to register with (POST /workers)")
+    p.add_argument("--router-api-key", default=d.router_api_key)
+    p.add_argument("--worker-id", default=d.worker_id, help="id to ask the router for")
+    p.add_argument("--torch-threads", type=int, default=d.torch_threads, help="0 = torch's default")
+    args = WorkerArgs(**vars(p.parse_args(argv)))
+    args.validate()
+    return args
+
+
+async def serve(args: WorkerArgs) -> None:
+    import torch
+
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    folder = load_model_folder(args.model or build_tiny_model_folder())
+    served_name = args.served_model_name or folder.path.name
+    cache_config = CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks)
+    engines = [
+        AsyncEngine(
+            Engine(
+                folder.model_config,
+                cache_config,
+                seed=args.seed,
+                weights_path=str(folder.weights_path) if folder.weights_path else None,
+                device=args.device,
+                eos_token_ids=folder.tokenizer.eos_token_ids,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+            )
+        )
+        for _ in range(args.dp_size)
+    ]
+    servicer = ReferenceServicer(engines, folder, served_name)
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    )
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {args.host}:{args.port}")
+    await server.start()
+    target = f"{args.host}:{port}"
+    # One parseable line for launchers that passed --port 0.
+    print(f"PSRL_WORKER_READY grpc://{target} dp_size={args.dp_size} model={served_name}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    registration: asyncio.Task | None = None
+    router_url = args.router
+    if router_url:
+        body = registration_body(
+            grpc_url=f"grpc://{target}",
+            served_model_name=served_name,
+            kv_capacity_tokens=cache_config.num_blocks * cache_config.block_size,
+            dp_size=args.dp_size,
+            kv_block_size=cache_config.block_size,
+            worker_id=args.worker_id,
+        )
+
+        async def _register() -> None:
+            await wait_until_healthy(target)
+            await register_with_router(router_url, body, api_key=args.router_api_key)
+
+        def _on_registered(task: asyncio.Task) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                logger.error("registration failed: %s", task.exception())
+                stop.set()  # a replica its router cannot see is of no use: exit non-zero
+
+        registration = asyncio.create_task(_register())
+        registration.add_done_callback(_on_registered)
+
+    await stop.wait()
+    logger.info("shutting down")
+    await server.stop(grace=1.0)
+    for e in engines:
+        e.shutdown()
+    if registration is not None:
+        if registration.done() and not registration.cancelled() and registration.exception() is not None:
+            raise SystemExit(1)
+        registration.cancel()
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(parse_args(argv)))

@@ -1,0 +1,321 @@
+"""`vllm.grpc.engine.VllmEngine` served over the reference engine, frame for frame like smg-grpc-servicer.
+
+Streaming: every engine step's delta becomes a chunk (new ids, their log-probs); a finished request then
+gets a complete frame carrying only the last delta, so the router accumulates chunks and uses the complete
+frame's ids only when no chunk came. An abort while streaming therefore ends with an empty chunk and an
+empty "abort" complete frame. Without streaming, one complete frame carries every id produced so far.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import logging
+import time
+import zipfile
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import grpc
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
+
+from psrl.engine import AsyncEngine, RequestOutput, SamplingOptions
+from psrl.worker.model_folder import ModelFolder
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_CHUNK_BYTES = 64 * 1024
+# Initial-metadata key sent once a Generate is admitted. Stock vLLM servicers don't send it; the router then
+# only knows a request started once a frame arrives.
+ACCEPTED_METADATA_KEY = "x-psrl-accepted"
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+
+def sampling_from_proto(params: vllm_engine_pb2.SamplingParams) -> SamplingOptions:
+    """vLLM's reading of the proto: unset temperature is 1.0, top_p 0 means 1, top_k 0 means off."""
+    if params.n > 1:
+        raise ValueError("n > 1 is not supported by the reference replica; send n separate requests")
+    if params.stop:
+        raise ValueError("stop strings are not supported by the reference replica; use stop_token_ids")
+    if params.WhichOneof("constraint"):
+        raise ValueError("structured output constraints are not supported by the reference replica")
+    return SamplingOptions(
+        temperature=params.temperature if params.HasField("temperature") else 1.0,
+        top_p=params.top_p if params.top_p != 0.0 else 1.0,
+        top_k=params.top_k,
+        max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
+        stop_token_ids=tuple(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        seed=params.seed if params.HasField("seed") else None,
+        logprobs=params.logprobs if params.HasField("logprobs") else None,
+    )
+
+
+def _output_logprobs(out: RequestOutput, with_top: bool) -> vllm_engine_pb2.OutputLogProbs | None:
+    if out.new_logprobs is None or not out.new_token_ids:
+        return None
+    proto = vllm_engine_pb2.OutputLogProbs(token_logprobs=out.new_logprobs, token_ids=out.new_token_ids)
+    if with_top and out.new_top_logprobs is not None:
+        for alternatives in out.new_top_logprobs:
+            proto.top_logprobs.append(
+                vllm_engine_pb2.TopLogProbs(
+                    token_ids=[tid for tid, _ in alternatives], values=[lp for _, lp in alternatives]
+                )
+            )
+    return proto
+
+
+class _Accumulated:
+    """Everything a non-streamed request produced, for its single complete frame."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []
+        self.has_logprobs = False
+
+    def add(self, out: RequestOutput) -> None:
+        self.ids.extend(out.new_token_ids)
+        if out.new_logprobs is not None:
+            self.has_logprobs = True
+            self.logprobs.extend(out.new_logprobs)
+        if out.new_top_logprobs is not None:
+            self.top.extend(out.new_top_logprobs)
+
+    def as_output(self, last: RequestOutput) -> RequestOutput:
+        return RequestOutput(
+            request_id=last.request_id,
+            new_token_ids=self.ids,
+            new_logprobs=self.logprobs if self.has_logprobs else None,
+            new_top_logprobs=self.top if self.top else None,
+            finish_reason=last.finish_reason,
+            matched_stop_token_id=last.matched_stop_token_id,
+            num_prompt_tokens=last.num_prompt_tokens,
+            num_cached_tokens=last.num_cached_tokens,
+            num_output_tokens=last.num_output_tokens,
+        )
+
+
+class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
+    """One servicer over `dp_size` engines; `data_parallel_rank` picks the engine."""
+
+    def __init__(self, engines: list[AsyncEngine], folder: ModelFolder, served_model_name: str) -> None:
+        if not engines:
+            raise ValueError("at least one engine is required")
+        self.engines = engines
+        self.folder = folder
+        self.served_model_name = served_model_name
+        self._started = time.time()
+        self._last_receive = 0.0
+        self._rank_of: dict[str, int] = {}
+        self._tokenizer_zip: tuple[bytes, str] | None = None
+
+    # ---- Generate ---------------------------------------------------------------------------------
+
+    def _pick_rank(self, request: vllm_engine_pb2.GenerateRequest) -> int:
+        if request.HasField("data_parallel_rank"):
+            rank = request.data_parallel_rank
+            if not 0 <= rank < len(self.engines):
+                raise _InvalidArgument(f"data_parallel_rank {rank} is out of range for dp_size {len(self.engines)}")
+            return rank
+        # Unpinned: the least busy rank, as vLLM's DP coordinator balances internally.
+        loads = [e.stats() for e in self.engines]
+        return min(range(len(self.engines)), key=lambda r: loads[r].num_running + loads[r].num_waiting)
+
+    def _prompt_ids(self, request: vllm_engine_pb2.GenerateRequest) -> list[int]:
+        which = request.WhichOneof("input")
+        if which == "tokenized":
+            return list(request.tokenized.input_ids)
+        if which == "text":
+            return self.folder.tokenizer.encode(request.text)
+        raise _InvalidArgument("GenerateRequest carries neither tokenized input nor text")
+
+    async def Generate(
+        self, request: vllm_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[vllm_engine_pb2.GenerateResponse]:
+        self._last_receive = time.time()
+        request_id = request.request_id
+        try:
+            if not request_id:
+                raise _InvalidArgument("request_id is required")
+            if request_id in self._rank_of:
+                raise _InvalidArgument(f"request_id {request_id!r} is already running")
+            rank = self._pick_rank(request)
+            sampling = sampling_from_proto(request.sampling_params)
+            prompt = self._prompt_ids(request)
+            with_top = bool(sampling.logprobs)
+            stream = self.engines[rank].generate(request_id, prompt, sampling)
+            self._rank_of[request_id] = rank
+            # Tell the router the request is admitted, so a death from here on reads as mid-request (502)
+            # even when no frame has come yet (non-streamed calls).
+            await context.send_initial_metadata(((ACCEPTED_METADATA_KEY, "1"),))
+            try:
+                acc = None if request.stream else _Accumulated()
+                async for out in stream:
+                    if acc is None:
+                        yield vllm_engine_pb2.GenerateResponse(chunk=self._chunk(out, with_top))
+                        if out.finished:
+                            yield vllm_engine_pb2.GenerateResponse(complete=self._complete(out, with_top))
+                    else:
+                        acc.add(out)
+                        if out.finished:
+                            full = acc.as_output(out)
+                            yield vllm_engine_pb2.GenerateResponse(complete=self._complete(full, with_top))
+            finally:
+                self._rank_of.pop(request_id, None)
+        except _InvalidArgument as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ValueError as e:  # engine-side validation: prompt too long, bad ids, bad sampling
+            logger.info("Generate %s rejected: %s", request_id, e)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    @staticmethod
+    def _chunk(out: RequestOutput, with_top: bool) -> vllm_engine_pb2.GenerateStreamChunk:
+        return vllm_engine_pb2.GenerateStreamChunk(
+            token_ids=out.new_token_ids,
+            prompt_tokens=out.num_prompt_tokens,
+            completion_tokens=len(out.new_token_ids),
+            cached_tokens=out.num_cached_tokens,
+            output_logprobs=_output_logprobs(out, with_top),
+        )
+
+    @staticmethod
+    def _complete(out: RequestOutput, with_top: bool) -> vllm_engine_pb2.GenerateComplete:
+        extra = {}
+        if out.matched_stop_token_id is not None:
+            extra["matched_token_id"] = out.matched_stop_token_id
+        return vllm_engine_pb2.GenerateComplete(
+            output_ids=out.new_token_ids,
+            finish_reason=out.finish_reason or "stop",
+            prompt_tokens=out.num_prompt_tokens,
+            completion_tokens=len(out.new_token_ids),
+            cached_tokens=out.num_cached_tokens,
+            output_logprobs=_output_logprobs(out, with_top),
+            **extra,
+        )
+
+    # ---- management ------------------------------------------------------------------------------
+
+    async def Abort(
+        self, request: vllm_engine_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.AbortResponse:
+        for request_id in request.request_ids:
+            rank = self._rank_of.get(request_id)
+            if rank is not None:
+                await self.engines[rank].abort(request_id)
+        return vllm_engine_pb2.AbortResponse()
+
+    async def HealthCheck(
+        self, request: vllm_engine_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.HealthCheckResponse:
+        dead = [rank for rank, e in enumerate(self.engines) if not e.is_alive()]
+        if dead:
+            return vllm_engine_pb2.HealthCheckResponse(healthy=False, message=f"engine ranks {dead} died")
+        return vllm_engine_pb2.HealthCheckResponse(healthy=True, message="Health")
+
+    async def GetModelInfo(
+        self, request: vllm_engine_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.GetModelInfoResponse:
+        cfg = self.folder.model_config
+        tok = self.folder.tokenizer
+        max_len = self.engines[0].engine.max_model_len
+        pad = tok.token_to_id(tok.pad_token) if tok.pad_token else None
+        bos = tok.token_to_id(tok.bos_token) if tok.bos_token else None
+        return vllm_engine_pb2.GetModelInfoResponse(
+            model_path=str(self.folder.path),
+            is_generation=True,
+            max_context_length=max_len,
+            vocab_size=cfg.vocab_size,
+            served_model_name=self.served_model_name,
+            tokenizer_path=str(self.folder.path),
+            model_type="qwen2",
+            architectures=["Qwen2ForCausalLM"],
+            eos_token_ids=list(tok.eos_token_ids),
+            pad_token_id=-1 if pad is None else pad,
+            bos_token_id=-1 if bos is None else bos,
+            max_req_input_len=max_len,
+        )
+
+    async def GetServerInfo(
+        self, request: vllm_engine_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.GetServerInfoResponse:
+        engine = self.engines[0].engine
+        return vllm_engine_pb2.GetServerInfoResponse(
+            active_requests=len(self._rank_of),
+            is_paused=False,
+            last_receive_timestamp=self._last_receive,
+            uptime_seconds=time.time() - self._started,
+            # The wire protocol is vLLM's; the router treats us exactly like a vLLM gRPC worker.
+            server_type="vllm-grpc",
+            data_parallel_size=len(self.engines),
+            kv_cache_dtype="auto",
+            block_size=engine.cache_config.block_size,
+            model_dtype=f"torch.{engine.model_config.torch_dtype}",
+            max_num_seqs=engine.max_num_seqs,
+        )
+
+    async def GetLoads(
+        self, request: vllm_engine_pb2.GetLoadsRequest, context: grpc.aio.ServicerContext
+    ) -> vllm_engine_pb2.GetLoadsResponse:
+        ranks = range(len(self.engines))
+        if request.HasField("dp_rank"):
+            if not 0 <= request.dp_rank < len(self.engines):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"dp_rank {request.dp_rank} is out of range for dp_size {len(self.engines)}",
+                )
+            ranks = range(request.dp_rank, request.dp_rank + 1)
+        loads = []
+        for rank in ranks:
+            s = self.engines[rank].stats()
+            loads.append(
+                vllm_engine_pb2.SchedulerLoad(
+                    dp_rank=rank,
+                    num_running_reqs=s.num_running,
+                    num_waiting_reqs=s.num_waiting,
+                    num_total_reqs=s.num_running + s.num_waiting,
+                    num_used_tokens=s.num_used_blocks * s.block_size,
+                    max_total_num_tokens=s.num_total_blocks * s.block_size,
+                    token_usage=s.kv_cache_usage,
+                    max_running_requests=self.engines[rank].engine.max_num_seqs,
+                )
+            )
+        return vllm_engine_pb2.GetLoadsResponse(
+            timestamp=datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+            version="psrl-reference",
+            dp_rank_count=len(loads),
+            loads=loads,
+        )
+
+    async def GetTokenizer(
+        self, request: common_pb2.GetTokenizerRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        if self._tokenizer_zip is None:
+            self._tokenizer_zip = await asyncio.to_thread(_zip_tokenizer, self.folder.path)
+        data, sha = self._tokenizer_zip
+        for start in range(0, len(data), TOKENIZER_CHUNK_BYTES):
+            end = start + TOKENIZER_CHUNK_BYTES
+            yield common_pb2.GetTokenizerChunk(data=data[start:end], sha256=sha if end >= len(data) else "")
+
+
+class _InvalidArgument(ValueError):
+    """A request the servicer itself refuses (before the engine sees it)."""
+
+
+def _zip_tokenizer(folder: Path) -> tuple[bytes, str]:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name in _TOKENIZER_FILES:
+            if (folder / name).is_file():
+                zf.write(folder / name, name)
+    data = buf.getvalue()
+    return data, hashlib.sha256(data).hexdigest()

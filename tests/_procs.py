@@ -1,0 +1,100 @@
+"""Real loopback processes for tests: reference replicas and routers, started and always stopped."""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from psrl.gateway.processes import stop_processes
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    proc: subprocess.Popen
+    url: str
+    log: Path
+    extra: dict = field(default_factory=dict)
+
+    def kill(self) -> None:
+        stop_processes([self.proc], timeout_s=0.1) if self.proc.poll() is None else None
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+def _spawn(module: str, args: list[str], log: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        stdout=subprocess.PIPE,
+        stderr=open(log, "wb"),
+        env=env,
+        start_new_session=True,
+        cwd=REPO,
+    )
+
+
+def start_replica(
+    model_dir: Path, log_dir: Path, *, dp_size: int = 1, args: list[str] | None = None, timeout_s: float = 120.0
+) -> Proc:
+    log = log_dir / f"replica-{time.monotonic_ns()}.log"
+    cmd = ["--port", "0", "--model", str(model_dir), "--dp-size", str(dp_size), "--torch-threads", "1", *(args or [])]
+    proc = _spawn("psrl.worker", cmd, log)
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    out = ""
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"replica exited with {proc.returncode}:\n{log.read_text(errors='replace')}")
+        if select.select([proc.stdout], [], [], 0.2)[0]:
+            # os.read, not readline: a buffered reader would hide data from the next select()
+            out += os.read(proc.stdout.fileno(), 65536).decode(errors="replace")
+            for line in out.splitlines():
+                if line.startswith("PSRL_WORKER_READY "):
+                    return Proc(proc, line.split()[1], log)
+    stop_processes([proc])
+    raise TimeoutError(f"replica not ready in {timeout_s}s:\n{log.read_text(errors='replace')}")
+
+
+def start_router(
+    log_dir: Path, worker_urls: list[str], *, args: list[str] | None = None, timeout_s: float = 60.0
+) -> Proc:
+    port = free_port()
+    log = log_dir / f"router-{port}.log"
+    cmd = ["--port", str(port), "--health-check-interval-s", "0.5", *(args or [])]
+    if worker_urls:
+        cmd += ["--worker-urls", *worker_urls]
+    proc = _spawn("psrl.router", cmd, log)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"router exited with {proc.returncode}:\n{log.read_text(errors='replace')}")
+        try:
+            r = httpx.get(f"{url}/workers", timeout=1.0)
+            if r.status_code == 200 and len(r.json()["workers"]) >= len(worker_urls):
+                return Proc(proc, url, log)
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    stop_processes([proc])
+    raise TimeoutError(f"router not ready in {timeout_s}s:\n{log.read_text(errors='replace')}")

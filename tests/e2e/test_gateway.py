@@ -1,0 +1,142 @@
+"""`python -m psrl.gateway` on its embedded default: chat (streaming and not) with the openai client, /generate
+equal to the replica's own answer, and no orphans after SIGTERM or even SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+from _procs import REPO, free_port
+from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _start_gateway(tmp_path: Path) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "PSRL_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "psrl.gateway", "--router-port-start", str(port), "--log-dir", str(tmp_path / "logs")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=REPO,
+    )
+    assert proc.stdout is not None
+    out = ""
+    deadline = time.monotonic() + 180
+    while "Ctrl-C stops" not in out:
+        assert proc.poll() is None, out
+        assert time.monotonic() < deadline, out
+        if select.select([proc.stdout], [], [], 0.5)[0]:
+            out += os.read(proc.stdout.fileno(), 65536).decode(errors="replace")
+    match = re.search(r"router\s+(http://127\.0\.0\.1:\d+)", out)
+    assert match, out
+    return proc, match.group(1)
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    proc, url = _start_gateway(tmp_path_factory.mktemp("gateway"))
+    yield proc, url
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+def test_embedded_default_has_two_replicas_three_instances(gateway) -> None:
+    _, url = gateway
+    workers = httpx.get(f"{url}/workers").json()["workers"]
+    assert sorted(w["dp_size"] for w in workers) == [1, 2]
+    assert {w["worker_id"] for w in workers} == {"replica-0", "replica-1"}
+
+
+def test_chat_with_the_openai_client(gateway) -> None:
+    _, url = gateway
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello!"}], max_tokens=8)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert 0 < reply.usage.completion_tokens <= 8
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, stream=True
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_generate_equals_the_replica_answer(gateway) -> None:
+    _, url = gateway
+    prompt = [11, 22, 33, 44, 55]
+    body = {
+        "input_ids": prompt,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True, "detokenize": False},
+    }
+    for _ in range(3):  # lands on several instances (round robin); each must match its replica
+        r = httpx.post(f"{url}/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        worker = next(
+            w for w in httpx.get(f"{url}/workers").json()["workers"] if w["worker_id"] == r.headers["x-base-worker-id"]
+        )
+        with grpc.insecure_channel(worker["url"].removeprefix("grpc://")) as channel:
+            sp = vllm_engine_pb2.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+            req = vllm_engine_pb2.GenerateRequest(
+                request_id=f"direct-{time.monotonic_ns()}",
+                tokenized=vllm_engine_pb2.TokenizedInput(input_ids=prompt),
+                sampling_params=sp,
+                data_parallel_rank=int(r.headers["x-target-dp-rank"]),
+            )
+            direct = list(vllm_engine_pb2_grpc.VllmEngineStub(channel).Generate(req))[-1].complete
+        assert out["output_ids"] == list(direct.output_ids)
+        lps = [lp for lp, _ in out["meta_info"]["output_token_logprobs"]]
+        assert lps == list(direct.output_logprobs.token_logprobs)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_stopping_the_gateway_leaves_no_orphans(tmp_path, sig) -> None:
+    proc, _ = _start_gateway(tmp_path)
+    children = _descendants(proc.pid)
+    assert len(children) >= 3  # router + two replicas
+    proc.send_signal(sig)
+    proc.wait(30)
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in children):
+        assert time.monotonic() < deadline, [p for p in children if _alive(p)]
+        time.sleep(0.2)

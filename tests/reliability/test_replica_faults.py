@@ -1,0 +1,111 @@
+"""A replica that is down or dies mid-stream: 503/502 with an error code; the router serves on."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+from _procs import start_replica, start_router
+
+from psrl.gateway.processes import stop_processes
+
+MSG = [{"role": "user", "content": "hi"}]
+SHORT = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+LONG = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+
+
+def _wait_for(predicate, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.1)
+
+
+def test_down_replica_is_503_and_the_other_keeps_serving(model_dir, log_dir) -> None:
+    a = start_replica(model_dir, log_dir)
+    b = start_replica(model_dir, log_dir)
+    router = start_router(log_dir, [a.url, b.url])
+    try:
+        stop_processes([a.proc])
+        codes = []
+        for _ in range(4):
+            r = httpx.post(
+                f"{router.url}/generate",
+                json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}},
+                timeout=30,
+            )
+            codes.append(r.status_code)
+            if r.status_code != 200:
+                assert r.status_code == 503, r.text
+                assert r.headers["x-smg-error-code"] == "worker_unavailable"
+        assert 200 in codes
+        # Once marked down, every request goes to the live replica.
+        for _ in range(4):
+            r = httpx.post(
+                f"{router.url}/generate",
+                json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}},
+                timeout=30,
+            )
+            assert r.status_code == 200, r.text
+        workers = httpx.get(f"{router.url}/workers").json()["workers"]
+        assert sorted(w["healthy"] for w in workers) == [False, True]
+        assert router.alive()
+    finally:
+        stop_processes([a.proc, b.proc, router.proc])
+
+
+def test_replica_dying_mid_stream_is_502_then_503(model_dir, log_dir) -> None:
+    a = start_replica(model_dir, log_dir)
+    router = start_router(log_dir, [a.url])
+    try:
+        result: dict = {}
+
+        def long_request() -> None:
+            result["resp"] = httpx.post(f"{router.url}/generate", json=LONG, timeout=120)
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        _wait_for(lambda: "num_running_reqs: 1" in _loads(a.url))
+        stop_processes([a.proc], timeout_s=0.1)
+        t.join(60)
+        r = result["resp"]
+        assert r.status_code == 502, r.text
+        assert r.headers["x-smg-error-code"] == "stream_drain_failed"
+
+        r = httpx.post(f"{router.url}/v1/chat/completions", json={"messages": MSG}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "worker_unavailable"
+        assert router.alive()
+    finally:
+        stop_processes([a.proc, router.proc])
+
+
+def test_sse_stream_reports_a_mid_stream_death_as_an_error_event(model_dir, log_dir) -> None:
+    a = start_replica(model_dir, log_dir)
+    router = start_router(log_dir, [a.url])
+    try:
+        body = {"messages": MSG, "max_tokens": 3000, "stream": True, "ignore_eos": True}
+        events = []
+        with httpx.stream("POST", f"{router.url}/v1/chat/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 5:
+                    stop_processes([a.proc], timeout_s=0.1)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "stream_drain_failed"
+        assert router.alive()
+    finally:
+        stop_processes([a.proc, router.proc])
+
+
+def _loads(url: str) -> str:
+    import grpc
+    from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+    with grpc.insecure_channel(url.removeprefix("grpc://")) as ch:
+        return str(vllm_engine_pb2_grpc.VllmEngineStub(ch).GetLoads(vllm_engine_pb2.GetLoadsRequest(), timeout=5))

@@ -1,0 +1,113 @@
+"""Request parsing: typed fields, vLLM/SGLang defaults, and a BadRequest naming every problem."""
+
+from __future__ import annotations
+
+import pytest
+
+from psrl.router.errors import BadRequest, PayloadTooLarge
+from psrl.router.pipeline import parse as P
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def test_chat_defaults_and_extras() -> None:
+    chat = P.parse_chat({"messages": MSG})
+    assert chat.sampling.max_tokens is None and chat.sampling.temperature is None and chat.sampling.top_k == -1
+    assert chat.sampling.logprobs is None and not chat.stream
+    chat = P.parse_chat(
+        {
+            "messages": MSG,
+            "max_completion_tokens": 5,
+            "max_tokens": 9,
+            "logprobs": True,
+            "top_logprobs": 3,
+            "top_k": 4,
+            "stop_token_ids": [7],
+            "seed": 1,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
+    s = chat.sampling
+    assert (s.max_tokens, s.logprobs, s.top_k, s.stop_token_ids, s.seed) == (5, 3, 4, [7], 1)
+    assert chat.include_usage and chat.stream
+    proto = s.to_proto()
+    assert proto.max_tokens == 5 and proto.logprobs == 3 and proto.top_k == 4 and not proto.HasField("temperature")
+
+
+def test_chat_content_parts_and_developer_role() -> None:
+    chat = P.parse_chat(
+        {
+            "messages": [
+                {"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": None, "tool_calls": []},
+            ]
+        }
+    )
+    assert chat.messages[0] == {"role": "system", "content": "ab"}
+    assert chat.messages[1]["content"] == ""
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({}, "'messages' is required"),
+        ({"messages": MSG, "temperature": -1}, "temperature"),
+        ({"messages": MSG, "temperature": float("nan")}, "temperature"),
+        ({"messages": MSG, "top_k": 0}, "top_k"),
+        ({"messages": MSG, "max_tokens": True}, "max_tokens"),
+        ({"messages": MSG, "top_logprobs": 2}, "needs 'logprobs'"),
+        ({"messages": MSG, "stop": [1]}, "stop"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "text part"),
+        ({"messages": [{"role": "user"}]}, "content is required"),
+        ({"messages": MSG, "tools": "x"}, "tools"),
+        ({"messages": MSG, "stream_options": 3}, "stream_options"),
+    ],
+)
+def test_chat_errors_name_the_problem(body, needle) -> None:
+    with pytest.raises(BadRequest, match=needle):
+        P.parse_chat(body)
+
+
+def test_completion_prompt_forms() -> None:
+    assert P.parse_completion({"prompt": "x"}).prompts == ["x"]
+    assert P.parse_completion({"prompt": [1, 2]}).prompts == [[1, 2]]
+    assert P.parse_completion({"prompt": [[1], [2, 3]]}).prompts == [[1], [2, 3]]
+    assert P.parse_completion({"prompt": ["a", "b"]}).prompts == ["a", "b"]
+    assert P.parse_completion({"prompt": "x"}).sampling.max_tokens == 16  # OpenAI's default
+    with pytest.raises(BadRequest, match="one prompt"):
+        P.parse_completion({"prompt": ["a", "b"], "stream": True})
+    with pytest.raises(BadRequest, match="echo"):
+        P.parse_completion({"prompt": "x", "echo": True})
+
+
+def test_generate_shape() -> None:
+    g = P.parse_generate(
+        {
+            "input_ids": [1, 2],
+            "request_id": 77,
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 9, "temperature": 0.5, "top_k": -1, "sampling_seed": 4},
+        }
+    )
+    assert g.prompts == [[1, 2]] and g.request_ids == ["77"] and not g.batched
+    assert g.sampling.max_tokens == 9 and g.sampling.logprobs == 0 and g.sampling.seed == 4
+    assert P.parse_generate({"input_ids": [1]}).sampling.max_tokens == P.GENERATE_DEFAULT_MAX_NEW_TOKENS
+    batch = P.parse_generate({"input_ids": [[1], [2]], "request_id": ["a", "b"]})
+    assert batch.batched and batch.request_ids == ["a", "b"]
+    with pytest.raises(BadRequest, match="request_id"):
+        P.parse_generate({"input_ids": [[1], [2]], "request_id": "a"})
+    with pytest.raises(BadRequest, match="stream"):
+        P.parse_generate({"input_ids": [1], "stream": True})
+    with pytest.raises(BadRequest, match="empty"):
+        P.parse_generate({"input_ids": []})
+    with pytest.raises(BadRequest, match="n=1"):
+        P.parse_generate({"input_ids": [1], "sampling_params": {"n": 2}})
+
+
+def test_json_body() -> None:
+    assert P.parse_json_body(b'{"a": 1}', 100) == {"a": 1}
+    with pytest.raises(PayloadTooLarge):
+        P.parse_json_body(b"{}" * 100, 10)
+    with pytest.raises(BadRequest, match="not valid JSON"):
+        P.parse_json_body(b"\xff\xfe", 100)

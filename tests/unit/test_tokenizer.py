@@ -1,0 +1,75 @@
+"""The tiny tokenizer: deterministic build, ChatML template with tool calls, zip round trip, streaming decode."""
+
+from __future__ import annotations
+
+import io
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from psrl.tokenizer import ChatTemplateError, IncrementalDecoder, Tokenizer, TokenizerLoadError, build_tiny_tokenizer
+
+
+def test_build_is_deterministic_and_idempotent(tmp_path: Path) -> None:
+    a = build_tiny_tokenizer(tmp_path / "a")
+    b = build_tiny_tokenizer(tmp_path / "b")
+    assert (a / "tokenizer.json").read_bytes() == (b / "tokenizer.json").read_bytes()
+    mtime = (a / "tokenizer.json").stat().st_mtime_ns
+    build_tiny_tokenizer(a)
+    assert (a / "tokenizer.json").stat().st_mtime_ns == mtime
+
+
+def test_chatml_template_and_special_tokens(tokenizer: Tokenizer) -> None:
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    text = tokenizer.apply_chat_template(msgs)
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer.encode(text)
+    assert ids.count(tokenizer.token_to_id("<|im_start|>")) == 3
+    assert tokenizer.decode(ids, skip_special_tokens=False) == text
+    assert tokenizer.eos_token_ids[0] == tokenizer.token_to_id("<|im_end|>")
+    assert tokenizer.apply_chat_template(msgs, add_generation_prompt=False).endswith("<|im_end|>\n")
+
+
+def test_tool_calls_and_results_render_like_qwen(tokenizer: Tokenizer) -> None:
+    call = {"id": "1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    msgs = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "sunny"},
+        {"role": "tool", "content": "warm"},
+    ]
+    text = tokenizer.apply_chat_template(msgs, tools=[{"type": "function", "function": {"name": "get_weather"}}])
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>' in text
+    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\nwarm" in text
+    assert "<tools>\n" in text
+    marker = tokenizer.token_to_id("<tool_call>")
+    assert marker is not None and marker in tokenizer.encode(text)
+    assert "<tool_call>" in tokenizer.decode(tokenizer.encode("<tool_call>x"), skip_special_tokens=True)
+
+
+def test_template_errors_are_typed(tokenizer: Tokenizer) -> None:
+    with pytest.raises(ChatTemplateError):
+        tokenizer.apply_chat_template([{"role": "user"}])  # no content: the template cannot concatenate
+
+
+def test_zip_round_trip_and_checks(model_dir: Path, tokenizer: Tokenizer) -> None:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            zf.write(model_dir / name, name)
+    data = buf.getvalue()
+    assert Tokenizer.from_zip_bytes(data).encode("hello world") == tokenizer.encode("hello world")
+    with pytest.raises(TokenizerLoadError, match="sha256"):
+        Tokenizer.from_zip_bytes(data, "0" * 64)
+    with pytest.raises(TokenizerLoadError, match="not a zip"):
+        Tokenizer.from_zip_bytes(b"nope")
+
+
+def test_incremental_decoder_never_splits_characters(tokenizer: Tokenizer) -> None:
+    text = "héllo 😀 wörld — ok"
+    ids = tokenizer.encode(text)
+    decoder = IncrementalDecoder(tokenizer)
+    pieces = [decoder.push([i]) for i in ids]
+    assert "".join(pieces) + decoder.flush() == text
+    assert all("\ufffd" not in p for p in pieces)
