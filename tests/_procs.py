@@ -80,7 +80,7 @@ def start_router(
 ) -> Proc:
     port = free_port()
     log = log_dir / f"router-{port}.log"
-    cmd = ["--port", str(port), "--health-check-interval-s", "0.5", *(args or [])]
+    cmd = ["--port", str(port), "--health-interval-s", "0.5", "--health-failure-threshold", "1", *(args or [])]
     if worker_urls:
         cmd += ["--worker-urls", *worker_urls]
     proc = _spawn("psrl.router", cmd, log)
@@ -90,8 +90,8 @@ def start_router(
         if proc.poll() is not None:
             raise RuntimeError(f"router exited with {proc.returncode}:\n{log.read_text(errors='replace')}")
         try:
-            r = httpx.get(f"{url}/workers", timeout=1.0)
-            if r.status_code == 200 and len(r.json()["workers"]) >= len(worker_urls):
+            r = httpx.get(f"{url}/health", timeout=1.0)
+            if r.status_code == 200 and r.json()["workers"] >= len(worker_urls):
                 return Proc(proc, url, log)
         except httpx.TransportError:
             pass

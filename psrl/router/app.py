@@ -1,4 +1,4 @@
-"""The router's HTTP surface: thin handlers that run the pipeline stages and the worker-registry calls."""
+"""The router's HTTP surface: thin handlers that run the pipeline stages, the selector and the registry calls."""
 
 from __future__ import annotations
 
@@ -7,16 +7,19 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
 import grpc
+import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from psrl.router import coordinator_api
+from psrl.router.background import BackgroundLoops
 from psrl.router.config import RouterConfig
 from psrl.router.errors import (
     BadRequest,
@@ -24,17 +27,24 @@ from psrl.router.errors import (
     RouterError,
     Unauthorized,
     WorkerInternalError,
+    WorkerStreamFailed,
+    WorkerTimeout,
     WorkerUnavailable,
 )
+from psrl.router.http_backend import HttpWorkers
+from psrl.router.logs import request_id_var
+from psrl.router.metadata import RoutingMeta, parse_routing_meta
+from psrl.router.metrics import RouterMetrics
 from psrl.router.pipeline import parse as P
 from psrl.router.pipeline import respond as R
 from psrl.router.pipeline.context import Generation, GenerationInput
 from psrl.router.pipeline.execute import Delta, WorkerCall
 from psrl.router.pipeline.prepare import chat_prompt_ids, check_prompt, new_request_id, text_prompt_ids
-from psrl.router.pipeline.select import resolve_model, select_instance
+from psrl.router.pipeline.select import resolve_model
 from psrl.router.pipeline.stream import sse_stream
-from psrl.router.policies import SelectionRequest, make_policy
-from psrl.router.registry import Instance, Worker, WorkerRegistry
+from psrl.router.policies import KvEventIndex, SelectionRequest, make_policy
+from psrl.router.registry import Worker, WorkerRegistry
+from psrl.router.selector import Selector, Ticket
 from psrl.router.tokenizers import TokenizerStore
 from psrl.router.worker_client import WorkerClients
 from psrl.tokenizer import IncrementalDecoder, Tokenizer
@@ -42,35 +52,70 @@ from psrl.tokenizer import IncrementalDecoder, Tokenizer
 logger = logging.getLogger("psrl.router")
 
 _JSON = "application/json"
+# Failures of the instance itself (they count against its circuit breaker); client errors do not.
+_WORKER_FAULTS = (WorkerUnavailable, WorkerStreamFailed, WorkerTimeout, WorkerInternalError)
+
+Handler = Callable[[Request], Awaitable[Response]]
 
 
 def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(json.dumps(payload), status_code=status, media_type=_JSON, headers=headers)
 
 
+def _instance_headers(ticket: Ticket) -> dict[str, str]:
+    """What PSRL reads back and replays as the next turn's hint and version floor."""
+    return {
+        "x-base-worker-id": ticket.instance.id.base_worker_id,
+        "x-target-dp-rank": str(ticket.instance.id.dp_rank),
+        "x-version-tag": str(ticket.pinned_version),
+    }
+
+
 class RouterApp:
-    """Owns the registry, the channel pool, the policy and the tokenizers; builds the Starlette app."""
+    """Owns the registry, channel pools, selector, tokenizers and metrics; builds the Starlette app."""
 
     def __init__(self, config: RouterConfig) -> None:
         config.validate()
         self.config = config
-        self.registry = WorkerRegistry()
+        self.registry = WorkerRegistry(config.health, config.breaker)
         self.clients = WorkerClients()
-        self.policy = make_policy(config.policy)
+        self.http = HttpWorkers(config.connect_timeout_s, config.request_timeout_s)
+        self.policy = make_policy(config.policy, config.cache_aware)
+        index = getattr(self.policy, "index", None)
+        self.kv_index: KvEventIndex | None = index if config.enable_kv_events else None
+        self.selector = Selector(config.selector, self.policy)
         self.tokenizers = TokenizerStore(self.registry, self.clients, config.tokenizer_path)
-        self._background: list[asyncio.Task] = []
+        self.metrics = RouterMetrics(self.registry)
+        self.background = BackgroundLoops(
+            self.registry,
+            self.clients,
+            self.http,
+            health_interval_s=config.health.interval_s,
+            health_timeout_s=config.health.timeout_s,
+            load_poll_interval_s=config.load_poll_interval_s,
+            kv_index=self.kv_index,
+            evict=getattr(self.policy, "maybe_evict", None),
+        )
+        self._startup: list[asyncio.Task] = []
+        admin, data = True, False
+        routes = [
+            ("/health", "GET", self.health, None),
+            ("/metrics", "GET", self.metrics_endpoint, None),
+            ("/v1/models", "GET", self.models, data),
+            ("/workers", "GET", self.list_workers, admin),
+            ("/workers", "POST", self.add_worker, admin),
+            ("/workers/stats", "GET", self.workers_stats, admin),
+            ("/workers/update_stats", "POST", self.update_stats, admin),
+            ("/workers/update_weight_version", "POST", self.update_weight_version, admin),
+            ("/workers/pause", "POST", self.pause_workers, admin),
+            ("/workers/resume", "POST", self.resume_workers, admin),
+            ("/workers/{worker_id}", "DELETE", self.remove_worker, admin),
+            ("/v1/chat/completions", "POST", self.chat_completions, data),
+            ("/v1/completions", "POST", self.completions, data),
+            ("/generate", "POST", self.generate, data),
+        ]
         self.app = Starlette(
-            routes=[
-                Route("/health", self.health, methods=["GET"]),
-                Route("/v1/models", self.models, methods=["GET"]),
-                Route("/workers", self.list_workers, methods=["GET"]),
-                Route("/workers", self.add_worker, methods=["POST"]),
-                Route("/workers/{worker_id}", self.remove_worker, methods=["DELETE"]),
-                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-                Route("/v1/completions", self.completions, methods=["POST"]),
-                Route("/generate", self.generate, methods=["POST"]),
-            ],
-            exception_handlers={RouterError: self._router_error, Exception: self._unexpected_error},
+            routes=[Route(path, self._endpoint(path, h, auth), methods=[m]) for path, m, h, auth in routes],
             lifespan=self._lifespan,
         )
 
@@ -78,56 +123,55 @@ class RouterApp:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        self._background.append(asyncio.create_task(self._health_loop()))
+        self.background.start()
         for url in self.config.worker_urls:
-            self._background.append(asyncio.create_task(self._register_from_cli(url)))
+            self._startup.append(asyncio.create_task(self._register_from_cli(url)))
         try:
             yield
         finally:
-            for task in self._background:
+            for task in self._startup:
                 task.cancel()
-            await asyncio.gather(*self._background, return_exceptions=True)
+            await asyncio.gather(*self._startup, return_exceptions=True)
+            await self.background.stop()
             await self.clients.close()
-
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.health_check_interval_s)
-            workers = self.registry.workers()
-            results = await asyncio.gather(
-                *(self.clients.is_healthy(w, self.config.health_check_timeout_s) for w in workers)
-            )
-            for worker, healthy in zip(workers, results):
-                if worker.healthy != healthy:
-                    logger.warning(
-                        "worker %s (%s) is now %s",
-                        worker.worker_id,
-                        worker.url,
-                        "healthy" if healthy else "unhealthy",
-                    )
-                worker.healthy = healthy
+            await self.http.close()
 
     async def _register_from_cli(self, url: str) -> None:
         while True:
             try:
-                await self._register({"url": url})
+                await self._register({"url": url, "connection_mode": self.config.connection_mode})
                 return
             except RouterError as e:
                 logger.info("worker %s not registered yet: %s", url, e.message)
                 await asyncio.sleep(1.0)
 
-    # ---- errors and auth ----------------------------------------------------------------------------
+    # ---- the wrapper every endpoint runs in: auth, request id, errors, metrics ----------------------------
 
-    async def _router_error(self, request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, RouterError)
-        if exc.status >= 500:
-            logger.warning("%s %s -> %s %s: %s", request.method, request.url.path, exc.status, exc.code, exc.message)
-        return exc.to_response()
+    def _endpoint(self, route: str, handler: Handler, auth: bool | None) -> Handler:
+        async def endpoint(request: Request) -> Response:
+            start = time.perf_counter()
+            token = request_id_var.set(request.headers.get("x-request-id", "-"))
+            try:
+                if auth is not None:
+                    self._authorize(request, admin=auth)
+                response = await handler(request)
+            except RouterError as e:
+                if e.status >= 500:
+                    logger.warning("%s %s -> %s %s: %s", request.method, route, e.status, e.code, e.message)
+                response = e.to_response()
+            except Exception as e:  # a bug must cost one request a 500, never the process
+                logger.exception("unexpected error on %s %s", request.method, route)
+                response = WorkerInternalError(
+                    f"internal router error: {type(e).__name__}: {e}", code="internal_error"
+                ).to_response()
+            finally:
+                request_id_var.reset(token)
+            self.metrics.requests.labels(route, str(response.status_code)).inc()
+            if not isinstance(response, StreamingResponse):  # streams observe their own end
+                self.metrics.latency.labels(route).observe(time.perf_counter() - start)
+            return response
 
-    async def _unexpected_error(self, request: Request, exc: Exception) -> Response:
-        logger.exception("unexpected error on %s %s", request.method, request.url.path)
-        return WorkerInternalError(
-            f"internal router error: {type(exc).__name__}: {exc}", code="internal_error"
-        ).to_response()
+        return endpoint
 
     def _authorize(self, request: Request, *, admin: bool) -> None:
         key = self.config.admin_api_key if admin else self.config.api_key
@@ -142,42 +186,70 @@ class RouterApp:
     async def health(self, request: Request) -> Response:
         return _json({"status": "ok", "workers": len(self.registry.workers())})
 
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
     async def models(self, request: Request) -> Response:
-        self._authorize(request, admin=False)
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "psrl"} for m in self.registry.models()]
         return _json({"object": "list", "data": data})
 
-    # ---- worker registry ------------------------------------------------------------------------------
+    # ---- worker registry and coordinator endpoints ----------------------------------------------------
 
     async def list_workers(self, request: Request) -> Response:
-        self._authorize(request, admin=True)
         return _json({"workers": [w.to_json() for w in self.registry.workers()]})
 
     async def add_worker(self, request: Request) -> Response:
-        self._authorize(request, admin=True)
         worker = await self._register(await self._body(request))
         return _json({"worker_id": worker.worker_id, "status": "registered", "worker": worker.to_json()})
 
     async def remove_worker(self, request: Request) -> Response:
-        self._authorize(request, admin=True)
         worker_id = request.path_params["worker_id"]
         worker = self.registry.remove(worker_id)
         if worker is None:
             raise NotFound(f"no worker {worker_id!r}")
-        if self.registry.by_url(worker.url) is None:
-            await self.clients.drop(worker.target)
+        self._forget(worker)
         return _json({"worker_id": worker_id, "status": "removed"})
+
+    def _forget(self, worker: Worker) -> None:
+        self.background.forget_worker(worker.worker_id)
+        self.policy.on_worker_removed(worker.worker_id)
+        if worker.connection_mode == "grpc" and self.registry.by_url(worker.url) is None:
+            task = asyncio.ensure_future(self.clients.drop(worker.target))
+            self._startup.append(task)  # kept so it is awaited (or cancelled) at shutdown
+
+    async def _coordinator_body(self, request: Request) -> Any:
+        body = P.parse_json(await request.body(), self.config.max_payload_bytes)
+        if body is None:
+            raise BadRequest("request body is empty")
+        return body
+
+    async def workers_stats(self, request: Request) -> Response:
+        return _json(coordinator_api.worker_stats(self.registry))
+
+    async def update_stats(self, request: Request) -> Response:
+        return _json(coordinator_api.update_stats(self.registry, await self._coordinator_body(request)))
+
+    async def update_weight_version(self, request: Request) -> Response:
+        return _json(coordinator_api.update_weight_version(self.registry, await self._coordinator_body(request)))
+
+    async def pause_workers(self, request: Request) -> Response:
+        return _json(coordinator_api.set_paused(self.registry, await self._coordinator_body(request), True))
+
+    async def resume_workers(self, request: Request) -> Response:
+        return _json(coordinator_api.set_paused(self.registry, await self._coordinator_body(request), False))
 
     async def _register(self, body: dict[str, Any]) -> Worker:
         url = P.get_str(body, "url", None)
         if not url:
             raise BadRequest("'url' is required", param="url")
+        mode = P.get_str(body, "connection_mode", None) or ("http" if url.startswith("http") else "grpc")
         parts = urlsplit(url)
-        mode = P.get_str(body, "connection_mode", "grpc")
-        if parts.scheme != "grpc" or not parts.hostname or not parts.port:
-            raise BadRequest(f"'url' must look like grpc://host:port, got {url!r}", param="url")
-        if mode != "grpc":
-            raise BadRequest(f"connection_mode {mode!r} is not supported yet; use grpc", param="connection_mode")
+        if mode not in ("grpc", "http"):
+            raise BadRequest(f"connection_mode must be grpc or http, got {mode!r}", param="connection_mode")
+        scheme_ok = parts.scheme == "grpc" if mode == "grpc" else parts.scheme in ("http", "https")
+        if not scheme_ok or not parts.hostname or not parts.port:
+            form = "grpc://host:port" if mode == "grpc" else "http://host:port"
+            raise BadRequest(f"'url' must look like {form} for connection_mode {mode}, got {url!r}", param="url")
         labels = body.get("labels") or {}
         if not isinstance(labels, dict):
             raise BadRequest("'labels' must be an object", param="labels")
@@ -186,83 +258,198 @@ class RouterApp:
         models = body.get("models")
         if models is not None and not isinstance(models, list):
             raise BadRequest("'models' must be a list", param="models")
-
-        try:
-            facts = await self.clients.facts(parts.netloc, self.config.connect_timeout_s)
-        except grpc.aio.AioRpcError as e:
-            raise WorkerUnavailable(f"cannot reach worker at {url}: {e.code().name} {e.details()}") from e
-        dp_label = labels.get("dp_size")
-        if dp_label is not None and dp_label != str(facts.dp_size):
-            raise BadRequest(f"label dp_size={dp_label} but the worker reports {facts.dp_size}", param="labels")
-        names = [m["id"] if isinstance(m, dict) else str(m) for m in models or []] or [facts.served_model_name]
         try:
             weight_version = int(labels.get("weight_version", 0))
         except ValueError as e:
             raise BadRequest("label weight_version must be an integer", param="labels") from e
+
+        if mode == "grpc":
+            try:
+                facts = await self.clients.facts(parts.netloc, self.config.connect_timeout_s)
+            except grpc.aio.AioRpcError as e:
+                raise WorkerUnavailable(f"cannot reach worker at {url}: {e.code().name} {e.details()}") from e
+            dp_label = labels.get("dp_size")
+            if dp_label is not None and dp_label != str(facts.dp_size):
+                raise BadRequest(f"label dp_size={dp_label} but the worker reports {facts.dp_size}", param="labels")
+            served, dp_size, max_len, block = (
+                [facts.served_model_name],
+                facts.dp_size,
+                facts.max_context_length,
+                facts.block_size,
+            )
+        else:
+            try:
+                hfacts = await self.http.facts(url.rstrip("/"), self.config.connect_timeout_s)
+            except (httpx.HTTPError, ValueError) as e:
+                raise WorkerUnavailable(f"cannot reach worker at {url}: {e!r}") from e
+            served, dp_size, max_len, block = hfacts.models, 1, hfacts.max_context_length, 0
+        names = [m["id"] if isinstance(m, dict) else str(m) for m in models or []] or served
+        if not names:
+            raise BadRequest("the worker serves no model and the body names none", param="models")
 
         existing = self.registry.by_url(url)
         if existing is not None and worker_id in (None, existing.worker_id):
             worker_id = existing.worker_id  # a replica re-registering (e.g. after a restart): same id
         elif worker_id is None:
             worker_id = self.registry.new_id()
-        elif existing is not None:
+        if existing is not None:
             self.registry.remove(existing.worker_id)
-        worker = Worker(
-            worker_id=worker_id,
-            url=url,
+            self._forget(existing)
+        worker = self.registry.create_worker(
+            worker_id,
+            url.rstrip("/"),
             models=names,
             labels=labels,
-            dp_size=facts.dp_size,
-            max_context_length=facts.max_context_length,
-            kv_block_size=facts.block_size,
-            weight_version=weight_version,
+            dp_size=dp_size,
+            connection_mode=mode,
+            max_context_length=max_len,
+            kv_block_size=block,
+            label_weight_version=weight_version,
         )
-        self.registry.add(worker)
-        logger.info("registered worker %s at %s (dp_size=%d, models=%s)", worker_id, url, facts.dp_size, names)
+        self.background.watch_worker(worker)
+        if mode == "grpc":
+            self._startup.append(asyncio.create_task(self.tokenizers.prefetch(names[0])))
+        logger.info("registered %s worker %s at %s (dp_size=%d, models=%s)", mode, worker_id, url, dp_size, names)
         return worker
 
-    # ---- data plane ---------------------------------------------------------------------------------
+    # ---- selection and dispatch ------------------------------------------------------------------------
 
-    async def _dispatch(self, gen: GenerationInput, instance: Instance) -> WorkerCall:
-        call = WorkerCall(self.clients, instance, gen, self.config.request_timeout_s)
+    async def _select(
+        self, model: str, meta: RoutingMeta, request: SelectionRequest, *, grpc_only: bool = False
+    ) -> Ticket:
+        instances = self.registry.instances_of(model)
+        if grpc_only:
+            instances = [i for i in instances if i.worker.connection_mode == "grpc"]
+            if not instances and self.registry.instances_of(model):
+                raise BadRequest(f"model {model!r} is served only by HTTP workers; this endpoint needs gRPC workers")
+        selection = await self.selector.select(instances, meta, request)
+        self.metrics.selections.labels(selection.stage, "chosen" if selection.instance else "none").inc()
+        if selection.instance is None:
+            raise WorkerUnavailable(selection.reason)
+        return self.selector.commit(selection.instance, meta, request)
+
+    def _finish(self, ticket: Ticket, error: RouterError | None) -> None:
+        """Release the ticket exactly once, judging the instance by how the request ended."""
+        self.selector.release(ticket, success=not isinstance(error, _WORKER_FAULTS))
+        if isinstance(error, WorkerUnavailable):
+            # Out of rotation at once; the health loop brings it back when it answers again.
+            ticket.instance.worker.health.mark_down()
+
+    async def _start_call(self, ticket: Ticket, gen: GenerationInput) -> WorkerCall:
+        call = WorkerCall(self.clients, ticket.instance, gen, self.config.request_timeout_s)
         try:
             await call.start()
-        except WorkerUnavailable:
-            # Take it out of rotation at once; the health loop brings it back when it answers again.
-            instance.worker.healthy = False
+        except RouterError as e:
             call.cancel()
-            raise
-        except RouterError:
-            call.cancel()
+            self._finish(ticket, e)
             raise
         return call
 
-    def _route(self, model: str, gen_id: str, prompt_ids: list[int]) -> Instance:
-        return select_instance(self.registry, self.policy, model, SelectionRequest(gen_id, prompt_ids))
+    async def _generate_once(self, ticket: Ticket, gen: GenerationInput) -> Generation:
+        call = await self._start_call(ticket, gen)
+        try:
+            result = await call.collect()
+        finally:
+            call.cancel()  # no-op after a clean end; frees the replica if this handler was cancelled
+            self._finish(ticket, call.error)
+        return result
+
+    def _stream(self, route: str, ticket: Ticket, call: WorkerCall, events: AsyncIterator[bytes]) -> StreamingResponse:
+        start = time.perf_counter()
+
+        async def body() -> AsyncIterator[bytes]:
+            first = True
+            try:
+                async for event in events:
+                    if first:
+                        self.metrics.ttft.labels(route).observe(time.perf_counter() - start)
+                        first = False
+                    yield event
+            finally:
+                self._finish(ticket, call.error)
+                self.metrics.latency.labels(route).observe(time.perf_counter() - start)
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers=_instance_headers(ticket))
+
+    async def _proxy(self, route: str, ticket: Ticket, raw: bytes, request: Request, stream: bool) -> Response:
+        """Forward a request as received to an HTTP worker."""
+        worker = ticket.instance.worker
+        headers = dict(request.headers)
+        if not stream:
+            error: RouterError | None = None
+            try:
+                up = await self.http.forward(worker, route, raw, headers)
+                if up.status >= 500:
+                    error = WorkerInternalError(f"worker {worker.worker_id} answered {up.status}")
+            except RouterError as e:
+                error = e
+                raise
+            finally:
+                self._finish(ticket, error)
+            return Response(
+                up.body, status_code=up.status, media_type=up.content_type, headers=_instance_headers(ticket)
+            )
+        try:
+            status, ctype, chunks = await self.http.stream(worker, route, raw, headers)
+        except RouterError as e:
+            self._finish(ticket, e)
+            raise
+
+        async def relay() -> AsyncIterator[bytes]:
+            error: RouterError | None = None
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            except RouterError as e:
+                error = e
+                yield R.sse(e.body())
+                yield R.SSE_DONE
+            finally:
+                self._finish(ticket, error)
+
+        return StreamingResponse(relay(), status_code=status, media_type=ctype, headers=_instance_headers(ticket))
+
+    def _needs_tokens(self, model: str) -> bool:
+        return any(w.connection_mode == "grpc" for w in self.registry.serving(model))
+
+    # ---- data plane -----------------------------------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> Response:
-        self._authorize(request, admin=False)
-        chat = P.parse_chat(await self._body(request))
+        raw = await request.body()
+        body = P.parse_json_body(raw, self.config.max_payload_bytes)
+        meta = parse_routing_meta(request.headers)
+        chat = P.parse_chat(body)
         model = resolve_model(self.registry, chat.model)
-        tok = await self.tokenizers.get(model)
-        prompt = await chat_prompt_ids(chat, tok)
         rid = new_request_id("chatcmpl")
-        instance = self._route(model, rid, prompt)
-        check_prompt(prompt, chat.sampling, instance.worker.max_context_length, 0)
-        call = await self._dispatch(GenerationInput(rid, model, prompt, chat.sampling, chat.stream), instance)
+        text = "".join(m["content"] for m in chat.messages)
+        tok: Tokenizer | None = None
+        prompt: list[int] = []
+        if self._needs_tokens(model):
+            tok = await self.tokenizers.get(model)
+            prompt = await chat_prompt_ids(chat, tok)
+        ticket = await self._select(model, meta, SelectionRequest(rid, model, prompt, text, meta.routing_key))
+        if ticket.instance.worker.connection_mode == "http":
+            return await self._proxy("/v1/chat/completions", ticket, raw, request, chat.stream)
+        assert tok is not None
+        try:
+            check_prompt(prompt, chat.sampling, ticket.instance.worker.max_context_length, 0)
+        except RouterError:
+            self._finish(ticket, None)
+            raise
+        gen_input = GenerationInput(rid, model, prompt, chat.sampling, chat.stream)
         created = int(time.time())
-        headers = _instance_headers(instance)
         if chat.stream:
-            return StreamingResponse(
-                self._chat_sse(call, tok, chat, rid, created, model),
-                media_type="text/event-stream",
-                headers=headers,
+            call = await self._start_call(ticket, gen_input)
+            return self._stream(
+                "/v1/chat/completions", ticket, call, self._chat_sse(call, tok, chat, rid, created, model)
             )
-        gen = await _collect(call)
-        text = tok.decode(gen.output_ids, skip_special_tokens=chat.sampling.skip_special_tokens)
+        gen = await self._generate_once(ticket, gen_input)
+        out_text = tok.decode(gen.output_ids, skip_special_tokens=chat.sampling.skip_special_tokens)
         logprobs = R.chat_logprobs(tok, gen.output_ids, gen.logprobs, gen.top_logprobs) if chat.logprobs else None
-        body = R.chat_completion(request_id=rid, created=created, model=model, text=text, gen=gen, logprobs=logprobs)
-        return _json(body, headers=headers)
+        body_out = R.chat_completion(
+            request_id=rid, created=created, model=model, text=out_text, gen=gen, logprobs=logprobs
+        )
+        return _json(body_out, headers=_instance_headers(ticket))
 
     def _chat_sse(
         self, call: WorkerCall, tok: Tokenizer, chat: P.ChatRequest, rid: str, created: int, model: str
@@ -282,38 +469,54 @@ class RouterApp:
         )
 
     async def completions(self, request: Request) -> Response:
-        self._authorize(request, admin=False)
-        req = P.parse_completion(await self._body(request))
+        raw = await request.body()
+        body = P.parse_json_body(raw, self.config.max_payload_bytes)
+        meta = parse_routing_meta(request.headers)
+        req = P.parse_completion(body)
         model = resolve_model(self.registry, req.model)
-        tok = await self.tokenizers.get(model)
         rid = new_request_id("cmpl")
         created = int(time.time())
+        text = req.prompts[0] if isinstance(req.prompts[0], str) else None
+        if not self._needs_tokens(model):
+            ticket = await self._select(model, meta, SelectionRequest(rid, model, (), text, meta.routing_key))
+            return await self._proxy("/v1/completions", ticket, raw, request, req.stream)
+        tok = await self.tokenizers.get(model)
         prompts = [await text_prompt_ids(p, tok) for p in req.prompts]
-        if req.stream:
-            instance = self._route(model, rid, prompts[0])
-            check_prompt(prompts[0], req.sampling, instance.worker.max_context_length, 0)
-            call = await self._dispatch(GenerationInput(rid, model, prompts[0], req.sampling, True), instance)
-            return StreamingResponse(
-                self._completion_sse(call, tok, req, rid, created, model),
-                media_type="text/event-stream",
-                headers=_instance_headers(instance),
-            )
 
-        async def one(index: int, prompt: list[int]) -> tuple[Instance, Generation]:
+        async def place(sub_id: str, prompt: list[int]) -> Ticket:
+            ticket = await self._select(
+                model, meta, SelectionRequest(sub_id, model, prompt, None, meta.routing_key), grpc_only=True
+            )
+            try:
+                check_prompt(prompt, req.sampling, ticket.instance.worker.max_context_length, 0)
+            except RouterError:
+                self._finish(ticket, None)
+                raise
+            return ticket
+
+        if req.stream:
+            ticket = await place(rid, prompts[0])
+            call = await self._start_call(ticket, GenerationInput(rid, model, prompts[0], req.sampling, True))
+            events = self._completion_sse(call, tok, req, rid, created, model)
+            return self._stream("/v1/completions", ticket, call, events)
+
+        async def one(index: int, prompt: list[int]) -> tuple[Ticket, Generation]:
             sub_id = rid if len(prompts) == 1 else f"{rid}-{index}"
-            instance = self._route(model, sub_id, prompt)
-            check_prompt(prompt, req.sampling, instance.worker.max_context_length, 0)
-            call = await self._dispatch(GenerationInput(sub_id, model, prompt, req.sampling, False), instance)
-            return instance, await _collect(call)
+            ticket = await place(sub_id, prompt)
+            return ticket, await self._generate_once(
+                ticket, GenerationInput(sub_id, model, prompt, req.sampling, False)
+            )
 
         results = await _gather_or_raise([one(i, p) for i, p in enumerate(prompts)])
         choices = []
         for i, (_, gen) in enumerate(results):
-            text = tok.decode(gen.output_ids, skip_special_tokens=req.sampling.skip_special_tokens)
+            out_text = tok.decode(gen.output_ids, skip_special_tokens=req.sampling.skip_special_tokens)
             lps = R.completion_logprobs(tok, gen.output_ids, gen.logprobs, gen.top_logprobs)
-            choices.append(R.completion_choice(i, text, gen, lps))
-        body = R.completion(request_id=rid, created=created, model=model, choices=choices, gens=[g for _, g in results])
-        return _json(body, headers=_instance_headers(results[0][0]))
+            choices.append(R.completion_choice(i, out_text, gen, lps))
+        body_out = R.completion(
+            request_id=rid, created=created, model=model, choices=choices, gens=[g for _, g in results]
+        )
+        return _json(body_out, headers=_instance_headers(results[0][0]))
 
     def _completion_sse(
         self, call: WorkerCall, tok: Tokenizer, req: P.CompletionRequest, rid: str, created: int, model: str
@@ -329,8 +532,8 @@ class RouterApp:
         return sse_stream(call, decoder, envelope=envelope, choice=choice, include_usage=req.include_usage)
 
     async def generate(self, request: Request) -> Response:
-        self._authorize(request, admin=False)
         body = await self._body(request)
+        meta = parse_routing_meta(request.headers)
         req = P.parse_generate(body)
         model = resolve_model(self.registry, req.model)
         sp = body.get("sampling_params") or {}
@@ -338,44 +541,34 @@ class RouterApp:
         needs_tokenizer = detokenize or any(isinstance(p, str) for p in req.prompts)
         tok = await self.tokenizers.get(model) if needs_tokenizer else None
 
-        async def one(prompt: list[int] | str, rid: str | None) -> tuple[Instance, dict[str, Any]]:
+        async def one(prompt: list[int] | str, rid: str | None) -> tuple[Ticket, dict[str, Any]]:
             ids = await text_prompt_ids(prompt, tok) if isinstance(prompt, str) and tok else prompt
             assert isinstance(ids, list)
             rid = rid or new_request_id("gen")
-            instance = self._route(model, rid, ids)
-            check_prompt(ids, req.sampling, instance.worker.max_context_length, 0)
-            call = await self._dispatch(GenerationInput(rid, model, ids, req.sampling, False), instance)
-            gen = await _collect(call)
+            ticket = await self._select(
+                model, meta, SelectionRequest(rid, model, ids, None, meta.routing_key), grpc_only=True
+            )
+            try:
+                check_prompt(ids, req.sampling, ticket.instance.worker.max_context_length, 0)
+            except RouterError:
+                self._finish(ticket, None)
+                raise
+            gen = await self._generate_once(ticket, GenerationInput(rid, model, ids, req.sampling, False))
             text = tok.decode(gen.output_ids, req.sampling.skip_special_tokens) if detokenize and tok else None
             out = R.generate_output(
                 request_id=rid,
                 gen=gen,
-                weight_version=instance.worker.weight_version,
+                weight_version=ticket.instance.weight_version,
                 prompt_ids=ids,
                 return_logprob=req.return_logprob,
                 return_prompt_token_ids=req.return_prompt_token_ids,
                 text=text,
             )
-            return instance, out
+            return ticket, out
 
         results = await _gather_or_raise([one(p, r) for p, r in zip(req.prompts, req.request_ids)])
         payload: Any = [o for _, o in results] if req.batched else results[0][1]
         return _json(payload, headers=_instance_headers(results[0][0]))
-
-
-def _instance_headers(instance: Instance) -> dict[str, str]:
-    return {
-        "x-base-worker-id": instance.id.base_worker_id,
-        "x-target-dp-rank": str(instance.id.dp_rank),
-        "x-version-tag": str(instance.worker.weight_version),
-    }
-
-
-async def _collect(call: WorkerCall) -> Generation:
-    try:
-        return await call.collect()
-    finally:
-        call.cancel()  # no-op after a clean end; frees the replica if this handler was cancelled
 
 
 async def _gather_or_raise(coros: list) -> list:

@@ -1,11 +1,24 @@
-"""Router settings: typed defaults, validated once at start."""
+"""Router settings: typed defaults (nested dataclasses), read from flags and/or YAML, validated once at start."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import typing
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-POLICIES = ("round_robin",)
+import yaml
+
+from psrl.router.health import BreakerConfig, HealthConfig
+from psrl.router.policies.cache_aware import CacheAwareConfig
+from psrl.router.selector import SelectorConfig
+
+POLICIES = ("round_robin", "random", "power_of_two", "least_load", "consistent_hash", "cache_aware", "cache_aware_v1")
+# PSRL's routing_strategy.method names for the same policies.
+POLICY_ALIASES = {"request_num_balance": "least_load"}
+CONNECTION_MODES = ("grpc", "http")
 
 
 @dataclass
@@ -13,48 +26,128 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8100
     worker_urls: list[str] = field(default_factory=list)
+    connection_mode: str = "grpc"  # for --worker-urls
     policy: str = "round_robin"
     tokenizer_path: str | None = None
     api_key: str | None = None
     admin_api_key: str | None = None
     request_timeout_s: float | None = None
     connect_timeout_s: float = 5.0
-    health_check_interval_s: float = 2.0
-    health_check_timeout_s: float = 2.0
+    load_poll_interval_s: float = 1.0  # GetLoads polling (least_load, cache_aware); 0 disables
+    enable_kv_events: bool = True  # subscribe to workers' KV events (cache_aware_v1 only)
     max_payload_bytes: int = 64 << 20
     log_level: str = "info"
+    log_format: str = "text"
+    health: HealthConfig = field(default_factory=HealthConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    selector: SelectorConfig = field(default_factory=SelectorConfig)
+    cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
 
     def validate(self) -> None:
+        self.policy = POLICY_ALIASES.get(self.policy, self.policy)
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.connection_mode not in CONNECTION_MODES:
+            raise ValueError(f"connection_mode must be one of {CONNECTION_MODES}")
         if not 0 <= self.port < 65536:
             raise ValueError("port must be in [0, 65535]")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError("request timeout must be positive")
-        if self.health_check_interval_s <= 0 or self.health_check_timeout_s <= 0:
-            raise ValueError("health check interval and timeout must be positive")
+        if self.log_format not in ("text", "json"):
+            raise ValueError("log_format must be text or json")
+        self.health.validate()
+        self.breaker.validate()
+        self.selector.validate()
+        self.cache_aware.validate()
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    """A dataclass from a mapping, nested dataclasses included; unknown keys are an error naming them."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; known: {sorted(names)}")
+    kwargs = {}
+    for key, value in data.items():
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+            kwargs[key] = _build(typing.cast(type, hint), value, f"{where}.{key}")
+        else:
+            kwargs[key] = value
+    return cls(**kwargs)
+
+
+def load_yaml(path: str | Path) -> RouterConfig:
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the top level must be a mapping")
+    return _build(RouterConfig, data, str(path))
+
+
+def _add_dataclass_flags(p: argparse.ArgumentParser, cls: type, prefix: str) -> None:
+    """--prefix-field flags for a nested config section (bools become --flag / --no-flag)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        flag = f"--{prefix}{f.name.replace('_', '-')}"
+        dest = f"{prefix.replace('-', '_')}{f.name}"
+        hint = hints[f.name]
+        if hint is bool:
+            p.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+            p.add_argument(flag, dest=dest, type=base if base in (int, float, str) else str, default=None)
+
+
+_SECTIONS = {
+    "health": HealthConfig,
+    "breaker": BreakerConfig,
+    "selector": SelectorConfig,
+    "cache_aware": CacheAwareConfig,
+}
 
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
     d = RouterConfig()
     p = argparse.ArgumentParser(prog="python -m psrl.router", description="psrl-gateway router")
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port)
-    p.add_argument("--worker-urls", nargs="*", default=[], help="grpc://host:port workers to register")
-    p.add_argument("--policy", default=d.policy, choices=POLICIES)
+    p.add_argument("--config", help="YAML file with RouterConfig keys (flags override it)")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
     p.add_argument(
-        "--tokenizer-path",
-        default=d.tokenizer_path,
-        help="local tokenizer folder; default: fetched from a worker with GetTokenizer",
+        "--worker-urls",
+        nargs="*",
+        help="workers to register: grpc://host:port (or http:// with --connection-mode http)",
     )
-    p.add_argument("--api-key", default=d.api_key, help="data-plane bearer key (optional)")
-    p.add_argument("--admin-api-key", default=d.admin_api_key, help="bearer key for /workers* (optional)")
-    p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
-    p.add_argument("--connect-timeout-s", type=float, default=d.connect_timeout_s)
-    p.add_argument("--health-check-interval-s", type=float, default=d.health_check_interval_s)
-    p.add_argument("--health-check-timeout-s", type=float, default=d.health_check_timeout_s)
-    p.add_argument("--max-payload-bytes", type=int, default=d.max_payload_bytes)
-    p.add_argument("--log-level", default=d.log_level)
-    cfg = RouterConfig(**vars(p.parse_args(argv)))
+    p.add_argument("--connection-mode", choices=CONNECTION_MODES)
+    p.add_argument("--policy", choices=[*POLICIES, *POLICY_ALIASES])
+    p.add_argument("--tokenizer-path", help="local tokenizer folder; default: fetched from a worker (GetTokenizer)")
+    p.add_argument("--api-key", help="data-plane bearer key (optional)")
+    p.add_argument("--admin-api-key", help="bearer key for /workers* and /routing_loop* (optional)")
+    p.add_argument("--request-timeout-s", type=float)
+    p.add_argument("--connect-timeout-s", type=float)
+    p.add_argument("--load-poll-interval-s", type=float)
+    p.add_argument("--enable-kv-events", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--max-payload-bytes", type=int)
+    p.add_argument("--log-level")
+    p.add_argument("--log-format", choices=("text", "json"))
+    # Flat PSRL-style names for the common sections, e.g. --worker-selection-strategy, --cache-threshold.
+    for section, cls in _SECTIONS.items():
+        _add_dataclass_flags(p, cls, "" if section in ("selector", "cache_aware") else f"{section}-")
+    ns = vars(p.parse_args(argv))
+    config_path = ns.pop("config")
+    cfg = load_yaml(config_path) if config_path else d
+    for section, cls in _SECTIONS.items():
+        prefix = "" if section in ("selector", "cache_aware") else f"{section}_"
+        sub = getattr(cfg, section)
+        for f in dataclasses.fields(cls):
+            value = ns.pop(f"{prefix}{f.name}", None)
+            if value is not None:
+                setattr(sub, f.name, value)
+    for key, value in ns.items():
+        if value is not None:
+            setattr(cfg, key, value)
     cfg.validate()
     return cfg
+
+
+__all__ = ["POLICIES", "RouterConfig", "load_yaml", "parse_args"]

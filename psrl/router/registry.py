@@ -1,47 +1,119 @@
 """The worker registry: registered workers, each carrying dp_size selectable instances (base id, rank).
 
-Pure bookkeeping: no sockets. The HTTP handlers and the health checker call into it.
+Pure bookkeeping, no sockets: the HTTP handlers, the health loop and the stats/version pushes call into it.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+import time
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
+from psrl.router.health import BreakerConfig, CircuitBreaker, HealthConfig, HealthTracker
 
-@dataclass(frozen=True, order=True)
-class InstanceId:
+
+class InstanceId(NamedTuple):
+    """A tuple so that hashing and comparing it (every dict lookup on the hot path) runs in C."""
+
     base_worker_id: str
     dp_rank: int
 
+    def __str__(self) -> str:
+        return f"{self.base_worker_id}@{self.dp_rank}"
+
 
 @dataclass
+class SchedulerStats:
+    """What the coordinator pushes with /workers/update_stats (or GetLoads polling fills in)."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    req_id_to_prompt_token_num: dict[str, int] = field(default_factory=dict)
+    req_id_to_response_token_num: dict[str, int] = field(default_factory=dict)
+    timestamp: float = 0.0  # seconds since the epoch of the report; older reports are stale
+
+
+@dataclass(eq=False)
+class InstanceState:
+    """One data-parallel rank of a worker: what selection looks at and what dispatch updates."""
+
+    id: InstanceId
+    worker: Worker
+    breaker: CircuitBreaker
+    inflight: int = 0  # requests the router has dispatched here and not yet seen end
+    stats: SchedulerStats = field(default_factory=SchedulerStats)
+    paused: bool = False
+    synced_version: int | None = None  # from /workers/update_weight_version
+
+    @property
+    def weight_version(self) -> int:
+        """The synced version, else the worker's label fallback (unknown -> 0), as SMG does."""
+        return self.synced_version if self.synced_version is not None else self.worker.label_weight_version
+
+    @property
+    def load(self) -> int:
+        """Queue depth: the larger of what we dispatched and what the engine last reported."""
+        return max(self.inflight, self.stats.num_running_reqs + self.stats.num_waiting_reqs)
+
+    @property
+    def healthy(self) -> bool:
+        return self.worker.health.healthy
+
+    def available(self, now: float | None = None) -> bool:
+        """Selectable: healthy, not paused, and its circuit breaker lets a request through."""
+        return self.healthy and not self.paused and self.breaker.allows(time.monotonic() if now is None else now)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "worker_id": self.id.base_worker_id,
+            "base_worker_id": self.id.base_worker_id,
+            "dp_rank": self.id.dp_rank,
+            "url": self.worker.url,
+            "healthy": self.healthy,
+            "paused": self.paused,
+            "circuit_breaker": self.breaker.state.value,
+            "weight_version": self.weight_version,
+            "running_requests": self.stats.num_running_reqs,
+            "waiting_requests": self.stats.num_waiting_reqs,
+            "kv_cache_usage": self.stats.kv_cache_usage,
+            "inflight_requests": self.inflight,
+            "load": self.load,
+        }
+
+
+@dataclass(eq=False)
 class Worker:
     worker_id: str
     url: str
     models: list[str]
     labels: dict[str, str]
+    health: HealthTracker
     dp_size: int = 1
     connection_mode: str = "grpc"
     max_context_length: int = 0
     kv_block_size: int = 0
-    healthy: bool = True
-    weight_version: int = 0
+    label_weight_version: int = 0
+    instances: list[InstanceState] = field(default_factory=list)
 
     @property
     def target(self) -> str:
-        """host:port for a gRPC channel."""
+        """host:port (the gRPC target, or the HTTP authority)."""
         return urlsplit(self.url).netloc
 
-    def instances(self) -> list[InstanceId]:
-        return [InstanceId(self.worker_id, rank) for rank in range(self.dp_size)]
+    @property
+    def healthy(self) -> bool:
+        return self.health.healthy
 
     def serves(self, model: str | None) -> bool:
         return model is None or model in self.models
 
-    def to_json(self) -> dict:
+    def instance(self, dp_rank: int) -> InstanceState | None:
+        return self.instances[dp_rank] if 0 <= dp_rank < len(self.instances) else None
+
+    def to_json(self) -> dict[str, Any]:
         return {
             "worker_id": self.worker_id,
             "id": self.worker_id,
@@ -53,21 +125,15 @@ class Worker:
             "max_context_length": self.max_context_length,
             "kv_block_size": self.kv_block_size,
             "healthy": self.healthy,
-            "weight_version": self.weight_version,
-            "instances": [{"base_worker_id": i.base_worker_id, "dp_rank": i.dp_rank} for i in self.instances()],
+            "load": sum(i.load for i in self.instances),
+            "instances": [i.to_json() for i in self.instances],
         }
-
-
-@dataclass(frozen=True)
-class Instance:
-    """A selectable target: one data-parallel rank of a registered worker."""
-
-    id: InstanceId
-    worker: Worker
 
 
 @dataclass
 class WorkerRegistry:
+    health_config: HealthConfig = field(default_factory=HealthConfig)
+    breaker_config: BreakerConfig = field(default_factory=BreakerConfig)
     _workers: dict[str, Worker] = field(default_factory=dict)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(0))
 
@@ -77,12 +143,41 @@ class WorkerRegistry:
             if candidate not in self._workers:
                 return candidate
 
+    def create_worker(
+        self,
+        worker_id: str,
+        url: str,
+        *,
+        models: list[str],
+        labels: dict[str, str],
+        dp_size: int = 1,
+        connection_mode: str = "grpc",
+        max_context_length: int = 0,
+        kv_block_size: int = 0,
+        label_weight_version: int = 0,
+    ) -> Worker:
+        """Build a worker with its instances and add it (replacing one with the same id)."""
+        worker = Worker(
+            worker_id=worker_id,
+            url=url,
+            models=models,
+            labels=labels,
+            health=HealthTracker(self.health_config),
+            dp_size=dp_size,
+            connection_mode=connection_mode,
+            max_context_length=max_context_length,
+            kv_block_size=kv_block_size,
+            label_weight_version=label_weight_version,
+        )
+        worker.instances = [
+            InstanceState(InstanceId(worker_id, rank), worker, CircuitBreaker(self.breaker_config))
+            for rank in range(dp_size)
+        ]
+        self._workers[worker_id] = worker
+        return worker
+
     def by_url(self, url: str) -> Worker | None:
         return next((w for w in self._workers.values() if w.url == url), None)
-
-    def add(self, worker: Worker) -> Worker:
-        self._workers[worker.worker_id] = worker
-        return worker
 
     def remove(self, worker_id: str) -> Worker | None:
         return self._workers.pop(worker_id, None)
@@ -90,8 +185,15 @@ class WorkerRegistry:
     def get(self, worker_id: str) -> Worker | None:
         return self._workers.get(worker_id)
 
+    def instance(self, iid: InstanceId) -> InstanceState | None:
+        worker = self._workers.get(iid.base_worker_id)
+        return None if worker is None else worker.instance(iid.dp_rank)
+
     def workers(self) -> list[Worker]:
         return list(self._workers.values())
+
+    def instances(self) -> list[InstanceState]:
+        return [i for w in self._workers.values() for i in w.instances]
 
     def models(self) -> list[str]:
         seen: dict[str, None] = {}
@@ -100,11 +202,9 @@ class WorkerRegistry:
                 seen.setdefault(m)
         return list(seen)
 
-    def candidates(self, model: str | None) -> list[Instance]:
-        """Healthy instances of workers that serve `model` (None: any model), in registration order."""
-        return [
-            Instance(iid, w) for w in self._workers.values() if w.healthy and w.serves(model) for iid in w.instances()
-        ]
+    def serving(self, model: str | None) -> list[Worker]:
+        return [w for w in self._workers.values() if w.serves(model)]
 
-    def serving(self, model: str | None) -> Iterable[Worker]:
-        return (w for w in self._workers.values() if w.serves(model))
+    def instances_of(self, model: str | None) -> list[InstanceState]:
+        """Every instance of workers serving `model`, in registration order, available or not."""
+        return [i for w in self._workers.values() if w.serves(model) for i in w.instances]

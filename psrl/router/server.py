@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import logging
-
 import uvicorn
 
 from psrl.router.app import RouterApp
 from psrl.router.config import RouterConfig, parse_args
+from psrl.router.logs import configure_logging
 
 
 def run(config: RouterConfig) -> None:
@@ -19,6 +18,7 @@ def run(config: RouterConfig) -> None:
         loop="uvloop",
         http="httptools",
         log_level=config.log_level,
+        log_config=None,  # keep our structured handler
         access_log=False,
         timeout_keep_alive=30,
     )
@@ -26,5 +26,5 @@ def run(config: RouterConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_args(argv)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log_level, config.log_format)
     run(config)

@@ -36,6 +36,13 @@ class TokenizerStore:
                 tok = self._by_model[model] = await self._fetch(model)
         return tok
 
+    async def prefetch(self, model: str) -> None:
+        """Fetch in the background at registration, so the first request does not wait for it."""
+        try:
+            await self.get(model)
+        except WorkerUnavailable as e:
+            logger.info("tokenizer prefetch for %s deferred: %s", model, e.message)
+
     async def _fetch(self, model: str) -> Tokenizer:
         errors = []
         for worker in self._registry.serving(model):
@@ -45,7 +52,9 @@ class TokenizerStore:
                 tok = await self._clients.tokenizer(worker.target)
                 logger.info("tokenizer for %s fetched from worker %s", model, worker.worker_id)
                 return tok
-            except (grpc.aio.AioRpcError, TokenizerLoadError) as e:
+            except grpc.aio.AioRpcError as e:
+                errors.append(f"worker {worker.worker_id}: {e.code().name} {e.details()}")
+            except TokenizerLoadError as e:
                 errors.append(f"worker {worker.worker_id}: {e}")
         detail = "; ".join(errors) or "no healthy worker serves it"
         raise WorkerUnavailable(f"no tokenizer available for model {model!r}: {detail}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -78,6 +79,12 @@ class WorkerClients:
             logger.debug("health check of worker %s failed: %s", worker.worker_id, e.code())
             return False
         return reply.healthy
+
+    async def loads(self, worker: Worker, timeout_s: float) -> vllm_engine_pb2.GetLoadsResponse:
+        return await self.stub(worker.target).GetLoads(vllm_engine_pb2.GetLoadsRequest(), timeout=timeout_s)
+
+    def kv_events(self, worker: Worker) -> AsyncIterator[common_pb2.KvEventBatch]:
+        return self.stub(worker.target).SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest())
 
     async def tokenizer(self, target: str, timeout_s: float = 60.0) -> Tokenizer:
         data = bytearray()

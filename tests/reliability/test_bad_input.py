@@ -79,8 +79,12 @@ def test_stop_strings_refused_by_the_replica_are_400(router) -> None:
 
 
 def test_worker_registration_errors(router) -> None:
-    r = httpx.post(f"{router.url}/workers", json={"url": "http://nope"}, timeout=10)
+    r = httpx.post(f"{router.url}/workers", json={"url": "ftp://nope:1"}, timeout=10)
     _error(r, 400, "grpc://host:port")
+    r = httpx.post(f"{router.url}/workers", json={"url": "http://nope"}, timeout=10)
+    _error(r, 400, "http://host:port")
+    r = httpx.post(f"{router.url}/workers", json={"url": "grpc://h:1", "connection_mode": "carrier-pigeon"})
+    _error(r, 400, "connection_mode")
     r = httpx.post(f"{router.url}/workers", json={"url": "grpc://127.0.0.1:1"}, timeout=30)
     _error(r, 503, "cannot reach worker")
     r = httpx.delete(f"{router.url}/workers/does-not-exist", timeout=10)

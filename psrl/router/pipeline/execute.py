@@ -23,7 +23,7 @@ from psrl.router.errors import (
     WorkerUnavailable,
 )
 from psrl.router.pipeline.context import Generation, GenerationInput
-from psrl.router.registry import Instance
+from psrl.router.registry import InstanceState
 from psrl.router.worker_client import WorkerClients
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def _logprobs_of(proto: vllm_engine_pb2.OutputLogProbs, want_top: bool):
     return list(proto.token_logprobs), top
 
 
-def map_rpc_error(e: grpc.aio.AioRpcError, *, started: bool, instance: Instance) -> RouterError:
+def map_rpc_error(e: grpc.aio.AioRpcError, *, started: bool, instance: InstanceState) -> RouterError:
     """One place where gRPC failures become router errors."""
     code, detail = e.code(), e.details() or ""
     where = f"worker {instance.id.base_worker_id} rank {instance.id.dp_rank}"
@@ -72,11 +72,12 @@ class WorkerCall:
     response is sent; iterating then yields deltas, and `result` holds the accumulated generation."""
 
     def __init__(
-        self, clients: WorkerClients, instance: Instance, gen: GenerationInput, timeout_s: float | None
+        self, clients: WorkerClients, instance: InstanceState, gen: GenerationInput, timeout_s: float | None
     ) -> None:
         self.instance = instance
         self.gen = gen
         self.result = Generation()
+        self.error: RouterError | None = None  # set when the call failed (also for streams that report it in-band)
         self._want_top = bool(gen.sampling.logprobs)
         self._call = clients.stub(instance.worker.target).Generate(gen.to_proto(instance.id.dp_rank), timeout=timeout_s)
         self._first: vllm_engine_pb2.GenerateResponse | None = None
@@ -88,7 +89,8 @@ class WorkerCall:
             frame = await self._call.read()
         except grpc.aio.AioRpcError as e:
             started = self._frames > 0 or await self._was_accepted()
-            raise map_rpc_error(e, started=started, instance=self.instance) from e
+            self.error = map_rpc_error(e, started=started, instance=self.instance)
+            raise self.error from e
         if frame is grpc.aio.EOF:
             return None
         self._frames += 1
@@ -136,9 +138,10 @@ class WorkerCall:
                 return
             frame = await self._read()
         if res.finish_reason is None:
-            raise WorkerStreamFailed(
+            self.error = WorkerStreamFailed(
                 f"worker {self.instance.id.base_worker_id} closed the stream without a complete frame"
             )
+            raise self.error
 
     def _extend(self, ids: list[int], lps: list[float] | None, top) -> None:
         res = self.result

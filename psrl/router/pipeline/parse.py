@@ -16,13 +16,17 @@ CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 GENERATE_DEFAULT_MAX_NEW_TOKENS = 128
 
 
-def parse_json_body(raw: bytes, max_bytes: int) -> dict[str, Any]:
+def parse_json(raw: bytes, max_bytes: int) -> Any:
     if len(raw) > max_bytes:
         raise PayloadTooLarge(f"request body is {len(raw)} bytes; the limit is {max_bytes}")
     try:
-        body = json.loads(raw)
+        return json.loads(raw) if raw else None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"request body is not valid JSON: {e}") from e
+
+
+def parse_json_body(raw: bytes, max_bytes: int) -> dict[str, Any]:
+    body = parse_json(raw, max_bytes)
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     return body

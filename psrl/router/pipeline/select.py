@@ -1,10 +1,9 @@
-"""Stage 3, select: resolve the model, gather healthy candidate instances, ask the policy."""
+"""Stage 3, select: resolve the model; the instance itself is chosen by psrl.router.selector.Selector."""
 
 from __future__ import annotations
 
 from psrl.router.errors import ModelNotFound, WorkerUnavailable
-from psrl.router.policies import Policy, SelectionRequest
-from psrl.router.registry import Instance, WorkerRegistry
+from psrl.router.registry import WorkerRegistry
 
 
 def resolve_model(registry: WorkerRegistry, model: str | None) -> str:
@@ -17,10 +16,3 @@ def resolve_model(registry: WorkerRegistry, model: str | None) -> str:
     if model not in served:
         raise ModelNotFound(f"The model `{model}` does not exist. Served: {', '.join(served)}", param="model")
     return model
-
-
-def select_instance(registry: WorkerRegistry, policy: Policy, model: str, request: SelectionRequest) -> Instance:
-    candidates = registry.candidates(model)
-    if not candidates:
-        raise WorkerUnavailable(f"no healthy instance serves model {model!r}")
-    return policy.select(candidates, request)

@@ -5,15 +5,15 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from psrl.router.policies.base import SelectionRequest
-from psrl.router.registry import Instance
+from psrl.router.policies.base import SelectionRequest, StatelessPolicy
+from psrl.router.registry import InstanceState
 
 
-class RoundRobinPolicy:
+class RoundRobinPolicy(StatelessPolicy):
     name = "round_robin"
 
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def select(self, candidates: Sequence[Instance], request: SelectionRequest) -> Instance:
+    def select(self, candidates: Sequence[InstanceState], request: SelectionRequest) -> InstanceState:
         return candidates[next(self._counter) % len(candidates)]

@@ -1,0 +1,93 @@
+"""Prometheus metrics: request counters and latency histograms updated per request, and instance gauges read
+from the registry only when /metrics is scraped (no per-request cost)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from psrl.router.registry import WorkerRegistry
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class _InstanceCollector(Collector):
+    def __init__(self, workers: WorkerRegistry) -> None:
+        self._workers = workers
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["worker_id", "dp_rank"]
+        families: dict[str, tuple[GaugeMetricFamily, Callable]] = {
+            "load": (
+                GaugeMetricFamily(
+                    "psrl_router_instance_load",
+                    "queued requests (max of router in-flight and the engine's running+waiting)",
+                    labels=labels,
+                ),
+                lambda i: i.load,
+            ),
+            "inflight": (
+                GaugeMetricFamily("psrl_router_instance_inflight", "requests the router has in flight", labels=labels),
+                lambda i: i.inflight,
+            ),
+            "version": (
+                GaugeMetricFamily("psrl_router_instance_weight_version", "synced weight version", labels=labels),
+                lambda i: i.weight_version,
+            ),
+            "kv": (
+                GaugeMetricFamily(
+                    "psrl_router_instance_kv_cache_usage", "last reported KV usage (0..1)", labels=labels
+                ),
+                lambda i: i.stats.kv_cache_usage,
+            ),
+            "healthy": (
+                GaugeMetricFamily("psrl_router_instance_healthy", "1 when healthy", labels=labels),
+                lambda i: int(i.healthy),
+            ),
+            "paused": (
+                GaugeMetricFamily("psrl_router_instance_paused", "1 when paused", labels=labels),
+                lambda i: int(i.paused),
+            ),
+        }
+        for inst in self._workers.instances():
+            values = [inst.id.base_worker_id, str(inst.id.dp_rank)]
+            for family, read in families.values():
+                family.add_metric(values, read(inst))
+        for family, _ in families.values():
+            yield family
+
+
+class RouterMetrics:
+    def __init__(self, workers: WorkerRegistry) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "psrl_router_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry
+        )
+        self.latency = Histogram(
+            "psrl_router_request_duration_seconds",
+            "time to the last byte",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "psrl_router_time_to_first_token_seconds",
+            "time to the first generated token",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.selections = Counter(
+            "psrl_router_selections",
+            "selection outcomes by deciding stage",
+            ["stage", "outcome"],
+            registry=self.registry,
+        )
+        self.queue_length = Gauge("psrl_router_queue_length", "requests waiting to be routed", registry=self.registry)
+        self.registry.register(_InstanceCollector(workers))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,46 @@
+"""consistent_hash: requests with the same routing key (x-smg-routing-key) go to the same instance.
+
+A hash ring with virtual nodes over the candidates: when an instance leaves, only its keys move. Requests
+without a key fall back to the least loaded candidate.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+from collections.abc import Sequence
+
+from psrl.router.policies.base import SelectionRequest, StatelessPolicy
+from psrl.router.registry import InstanceId, InstanceState
+
+VIRTUAL_NODES = 64
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+class ConsistentHashPolicy(StatelessPolicy):
+    name = "consistent_hash"
+
+    def __init__(self, virtual_nodes: int = VIRTUAL_NODES) -> None:
+        self._virtual_nodes = virtual_nodes
+        self._ring_for: tuple[InstanceId, ...] = ()
+        self._points: list[int] = []
+        self._owners: list[InstanceId] = []
+
+    def _ring(self, ids: tuple[InstanceId, ...]) -> None:
+        if ids == self._ring_for:
+            return
+        points = sorted((_hash(f"{i}#{v}"), i) for i in ids for v in range(self._virtual_nodes))
+        self._points = [p for p, _ in points]
+        self._owners = [i for _, i in points]
+        self._ring_for = ids
+
+    def select(self, candidates: Sequence[InstanceState], request: SelectionRequest) -> InstanceState:
+        if not request.routing_key:
+            return min(candidates, key=lambda c: c.load)
+        by_id = {c.id: c for c in candidates}
+        self._ring(tuple(sorted(by_id)))
+        at = bisect.bisect(self._points, _hash(request.routing_key)) % len(self._points)
+        return by_id[self._owners[at]]

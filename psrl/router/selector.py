@@ -1,0 +1,226 @@
+"""Instance selection: PSRL's five stages as small pure functions, and the Selector that runs them in order.
+
+  1. available   drop unhealthy, paused, breaker-open instances and those below the request's version floor
+  2. hint        a sticky / force-pin-once hint hard-pins when the hinted instance survived stage 1
+  3. group       a prompt group stays on the instance its first request was placed on (write-once pin)
+  4. admission   an admission hook (the PSManager) filters; candidates are sorted and grouped by
+                 `candidate_sort_indicator`; the admission gate caps concurrent sequences per instance
+  5. policy      the configured policy picks within the best group that passed the gate
+
+With `worker_selection_strategy != "psrl"`, or for a request without PSRL metadata, stage 1 (availability
+only) and the policy run alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from psrl.router.metadata import RoutingMeta
+from psrl.router.policies.base import Policy, SelectionRequest
+from psrl.router.registry import InstanceId, InstanceState
+
+SORT_INDICATORS = ("version", "reserve_capability")
+STRATEGIES = ("psrl", "policy")
+
+
+@dataclass
+class SelectorConfig:
+    worker_selection_strategy: str = "psrl"
+    candidate_sort_indicator: str = "version"
+    enable_group_sticky: bool = False
+    max_concurrent_seqs_per_instance: int = 1024
+    admission_reject_on_waiting: bool = False
+
+    def validate(self) -> None:
+        if self.worker_selection_strategy not in STRATEGIES:
+            raise ValueError(f"worker_selection_strategy must be one of {STRATEGIES}")
+        if self.candidate_sort_indicator not in SORT_INDICATORS:
+            raise ValueError(f"candidate_sort_indicator must be one of {SORT_INDICATORS}")
+        if self.max_concurrent_seqs_per_instance < 1:
+            raise ValueError("max_concurrent_seqs_per_instance must be >= 1")
+
+
+class AdmissionHook(Protocol):
+    """Stage 4's seam. The PSManager implements it; the default admits everything."""
+
+    async def admit(self, candidates: Sequence[InstanceState], meta: RoutingMeta) -> list[InstanceState]:
+        """The candidates whose version can admit/reserve this request."""
+        ...
+
+    async def indicators(self, candidates: Sequence[InstanceState], meta: RoutingMeta) -> list[float] | None:
+        """Reserve-capability indicator per candidate (lower is better), or None when unknown."""
+        ...
+
+
+class PassThroughAdmission:
+    async def admit(self, candidates: Sequence[InstanceState], meta: RoutingMeta) -> list[InstanceState]:
+        return list(candidates)
+
+    async def indicators(self, candidates: Sequence[InstanceState], meta: RoutingMeta) -> list[float] | None:
+        return None
+
+
+# ---- the stages (pure) -----------------------------------------------------------------------------------
+
+
+def stage_available(instances: Sequence[InstanceState], meta: RoutingMeta, now: float) -> list[InstanceState]:
+    floor = meta.version_tag
+    return [i for i in instances if i.available(now) and (floor < 0 or i.weight_version >= floor)]
+
+
+def stage_hint(candidates: list[InstanceState], meta: RoutingMeta) -> list[InstanceState] | None:
+    """The single hinted instance when the request is sticky/force-pinned and it survived; else None."""
+    if not meta.pinned:
+        return None
+    hinted = [c for c in candidates if c.id == meta.hint]
+    return hinted or None
+
+
+def stage_group(candidates: list[InstanceState], meta: RoutingMeta, pins: GroupPins) -> list[InstanceState] | None:
+    if meta.prompt_id is None:
+        return None
+    pinned = pins.get(meta.prompt_id)
+    if pinned is None:
+        return None
+    hit = [c for c in candidates if c.id == pinned]
+    return hit or None
+
+
+def version_sort_key(instance: InstanceState, meta: RoutingMeta) -> int:
+    """Unversioned requests prefer the newest version; versioned ones the lowest acceptable version."""
+    return -instance.weight_version if meta.version_tag < 0 else instance.weight_version
+
+
+def sort_into_groups(
+    candidates: list[InstanceState], meta: RoutingMeta, indicators: list[float] | None
+) -> list[list[InstanceState]]:
+    """Stable sort by the indicator (then the version key); equal keys form one group, best group first."""
+    if indicators is not None:
+        keyed = [((ind, version_sort_key(c, meta)), c) for ind, c in zip(indicators, candidates)]
+    else:
+        keyed = [((0.0, version_sort_key(c, meta)), c) for c in candidates]
+    keyed.sort(key=lambda kc: kc[0])
+    return [[c for _, c in grp] for _, grp in itertools.groupby(keyed, key=lambda kc: kc[0])]
+
+
+def admission_gate(group: list[InstanceState], config: SelectorConfig) -> list[InstanceState]:
+    cap = config.max_concurrent_seqs_per_instance
+    return [
+        c
+        for c in group
+        if c.inflight < cap and not (config.admission_reject_on_waiting and c.stats.num_waiting_reqs > 0)
+    ]
+
+
+# ---- group pins ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GroupPins:
+    """prompt_id -> instance, written once by a group's first placement, released with its last request."""
+
+    _pins: dict[int, InstanceId] = field(default_factory=dict)
+    _active: dict[int, int] = field(default_factory=dict)
+
+    def get(self, prompt_id: int) -> InstanceId | None:
+        return self._pins.get(prompt_id)
+
+    def acquire(self, prompt_id: int, instance: InstanceId) -> None:
+        self._pins.setdefault(prompt_id, instance)
+        self._active[prompt_id] = self._active.get(prompt_id, 0) + 1
+
+    def release(self, prompt_id: int) -> None:
+        left = self._active.get(prompt_id, 0) - 1
+        if left > 0:
+            self._active[prompt_id] = left
+        else:
+            self._active.pop(prompt_id, None)
+            self._pins.pop(prompt_id, None)
+
+    def __len__(self) -> int:
+        return len(self._pins)
+
+
+# ---- the selector -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Selection:
+    instance: InstanceState | None
+    stage: str  # which stage decided (or why nothing was chosen): for metrics and logs
+    reason: str = ""
+
+
+@dataclass
+class Ticket:
+    """A committed choice: released exactly once when the request ends."""
+
+    instance: InstanceState
+    meta: RoutingMeta
+    pinned_version: int
+    group_acquired: bool
+
+
+class Selector:
+    def __init__(self, config: SelectorConfig, policy: Policy, admission: AdmissionHook | None = None) -> None:
+        config.validate()
+        self.config = config
+        self.policy = policy
+        self.admission: AdmissionHook = admission or PassThroughAdmission()
+        self.group_pins = GroupPins()
+
+    def _psrl(self, meta: RoutingMeta) -> bool:
+        return self.config.worker_selection_strategy == "psrl" and meta.has_psrl
+
+    async def select(
+        self, instances: Sequence[InstanceState], meta: RoutingMeta, request: SelectionRequest
+    ) -> Selection:
+        candidates = stage_available(instances, meta, time.monotonic())
+        if not candidates:
+            floor = f" at version >= {meta.version_tag}" if meta.version_tag >= 0 else ""
+            return Selection(None, "available", f"no available instance{floor}")
+        if not self._psrl(meta):
+            return Selection(self.policy.select(candidates, request), "policy")
+
+        pinned = stage_hint(candidates, meta)
+        if pinned is not None:
+            return Selection(pinned[0], "hint")
+        if self.config.enable_group_sticky:
+            grouped = stage_group(candidates, meta, self.group_pins)
+            if grouped is not None:
+                return Selection(grouped[0], "group")
+
+        admitted = await self.admission.admit(candidates, meta)
+        if not admitted:
+            return Selection(None, "admission", "no instance's version can admit this request")
+        indicators = None
+        if self.config.candidate_sort_indicator == "reserve_capability":
+            indicators = await self.admission.indicators(admitted, meta)
+        for group in sort_into_groups(admitted, meta, indicators):
+            open_group = admission_gate(group, self.config)
+            if open_group:
+                return Selection(self.policy.select(open_group, request), "policy")
+        return Selection(None, "gate", "every candidate is at max_concurrent_seqs_per_instance")
+
+    def commit(self, instance: InstanceState, meta: RoutingMeta, request: SelectionRequest) -> Ticket:
+        """Record the choice: in-flight count, group pin, the policy's own bookkeeping, the pinned version."""
+        instance.inflight += 1
+        instance.breaker.on_dispatch()
+        group = self._psrl(meta) and self.config.enable_group_sticky and meta.prompt_id is not None
+        if group:
+            assert meta.prompt_id is not None
+            self.group_pins.acquire(meta.prompt_id, instance.id)
+        self.policy.on_dispatched(instance, request)
+        pinned_version = instance.weight_version if meta.version_tag < 0 else meta.version_tag
+        return Ticket(instance, meta, pinned_version, group)
+
+    def release(self, ticket: Ticket, *, success: bool) -> None:
+        ticket.instance.inflight -= 1
+        ticket.instance.breaker.record(success, time.monotonic())
+        if ticket.group_acquired:
+            assert ticket.meta.prompt_id is not None
+            self.group_pins.release(ticket.meta.prompt_id)
