@@ -1,6 +1,6 @@
 """Reference engine: a small Qwen2-like transformer with a vLLM-layout paged KV cache and continuous batching."""
 
-from psrl.engine.async_engine import AsyncEngine, RequestStream
+from psrl.engine.async_engine import AsyncEngine, KvEventStream, RequestStream
 from psrl.engine.config import ModelConfig
 from psrl.engine.engine import Engine, EngineStats
 from psrl.engine.errors import (
@@ -13,19 +13,32 @@ from psrl.engine.errors import (
     InvalidRequestError,
     InvalidSamplingError,
     KVCacheTooSmallError,
+    KvEventsOverflowError,
     MaxModelLenExceededError,
     OutOfBlocks,
     TokenOutOfRangeError,
     WeightLoadError,
 )
-from psrl.engine.kv_cache import BlockAllocator, CacheConfig, PagedKVCache
+from psrl.engine.kv_cache import CacheConfig, PagedKVCache
+from psrl.engine.kv_events import (
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    KvEvent,
+    KvEventsUpdate,
+    StoredBlock,
+)
 from psrl.engine.model import Qwen2Model
+from psrl.engine.prefix_cache import BlockPool, hash_block_tokens
 from psrl.engine.request import RequestOutput
 from psrl.engine.sampler import SamplingOptions
 
 __all__ = [
+    "AllBlocksCleared",
     "AsyncEngine",
-    "BlockAllocator",
+    "BlockPool",
+    "BlocksRemoved",
+    "BlocksStored",
     "CacheConfig",
     "ConfigError",
     "DuplicateRequestError",
@@ -38,6 +51,10 @@ __all__ = [
     "InvalidRequestError",
     "InvalidSamplingError",
     "KVCacheTooSmallError",
+    "KvEvent",
+    "KvEventStream",
+    "KvEventsOverflowError",
+    "KvEventsUpdate",
     "MaxModelLenExceededError",
     "ModelConfig",
     "OutOfBlocks",
@@ -46,6 +63,8 @@ __all__ = [
     "RequestOutput",
     "RequestStream",
     "SamplingOptions",
+    "StoredBlock",
     "TokenOutOfRangeError",
     "WeightLoadError",
+    "hash_block_tokens",
 ]

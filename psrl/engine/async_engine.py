@@ -3,6 +3,10 @@
 The thread sleeps on a condition variable while there is no work and runs `Engine.step()` back to back
 while there is; each step's delta outputs are handed to the event loops of their consumers in one
 `call_soon_threadsafe` per loop, so the asyncio side never blocks on the model.
+
+KV events: `subscribe_kv_events()` returns a stream that starts with a snapshot of the prefix cache and then
+gets the events of every step, pushed by the step thread right after the step (no polling). The engine
+records events only while at least one subscriber exists.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,7 +22,8 @@ from typing import Any
 import torch
 
 from psrl.engine.engine import Engine, EngineStats
-from psrl.engine.errors import DuplicateRequestError, EngineDeadError, EngineStepError
+from psrl.engine.errors import DuplicateRequestError, EngineDeadError, EngineStepError, KvEventsOverflowError
+from psrl.engine.kv_events import KvEvent, KvEventsUpdate
 from psrl.engine.request import RequestOutput
 from psrl.engine.sampler import SamplingOptions
 
@@ -69,11 +75,72 @@ class RequestStream(AsyncIterator[RequestOutput]):
             self._owner._abort_quietly(self.request_id, self._queue)
 
 
+class KvEventStream(AsyncIterator[KvEventsUpdate]):
+    """KV-event updates for one subscriber: first a snapshot of the cache, then every step's events.
+
+    Never ends on its own; raises EngineDeadError after shutdown, KvEventsOverflowError when its consumer
+    fell more than `max_pending` updates behind (resubscribe for a fresh snapshot). Close it (`close()`,
+    `aclose()`, or cancellation while waiting) to unsubscribe; a stream that is dropped unclosed is
+    unsubscribed by the overflow rule once `max_pending` updates pile up.
+    """
+
+    def __init__(self, owner: AsyncEngine, loop: asyncio.AbstractEventLoop, max_pending: int) -> None:
+        self._owner = owner
+        self._loop = loop
+        self._max_pending = max_pending
+        self._queue: asyncio.Queue[KvEventsUpdate | BaseException] = asyncio.Queue()
+        self._closed = False
+
+    def __aiter__(self) -> KvEventStream:
+        return self
+
+    async def __anext__(self) -> KvEventsUpdate:
+        if self._closed and self._queue.empty():
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        return item
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._owner._unsubscribe_kv(self)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def _put(self, item: KvEventsUpdate | BaseException) -> None:
+        """On the subscriber's loop."""
+        if self._closed:
+            return
+        if isinstance(item, KvEventsUpdate) and self._queue.qsize() >= self._max_pending:
+            item = KvEventsOverflowError(f"KV-event subscriber fell {self._max_pending} updates behind")
+        if isinstance(item, BaseException):
+            while not self._queue.empty():  # nothing queued is of use once the stream failed
+                self._queue.get_nowait()
+            self.close()  # unsubscribe now, but still hand the error to the reader
+        self._queue.put_nowait(item)
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[_Item]]] = {}
         self._streams_lock = threading.Lock()
+        self._kv_subscribers: list[KvEventStream] = []
+        # Held while taking events from the engine and queueing them to subscribers, so that every
+        # subscriber sees them in the engine's order whichever thread publishes.
+        self._kv_lock = threading.Lock()
         self._wake = threading.Condition()
         self._shutdown = False
         self._thread = threading.Thread(target=self._run, name="psrl-engine-step", daemon=True)
@@ -116,6 +183,33 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block now (see Engine.reset_prefix_cache); subscribers get AllBlocksCleared."""
+        count = self.engine.reset_prefix_cache()
+        self._publish_kv_events()
+        return count
+
+    def subscribe_kv_events(self, *, max_pending: int = 1024) -> KvEventStream:
+        """Subscribe to the prefix cache's KV events; must be called with a running event loop.
+
+        The stream's first update is a snapshot (AllBlocksCleared, then every cached block); events that
+        happened before it are already reflected in it, and every later change follows it exactly once.
+        """
+        if self._shutdown or not self._thread.is_alive():
+            raise EngineDeadError("the engine is shut down")
+        stream = KvEventStream(self, asyncio.get_running_loop(), max_pending)
+        with self._kv_lock:
+            self.engine.kv_events_enabled = True
+            pending, snapshot = self.engine.drain_kv_events_with_snapshot()
+            self._deliver_kv(pending)  # to the earlier subscribers only
+            self._kv_subscribers.append(stream)
+        stream._queue.put_nowait(KvEventsUpdate(tuple(snapshot), is_snapshot=True, timestamp=time.time()))
+        return stream
+
+    @property
+    def num_kv_subscribers(self) -> int:
+        return len(self._kv_subscribers)
+
     async def load_weights(
         self,
         *,
@@ -126,6 +220,7 @@ class AsyncEngine:
     ) -> None:
         """Returns once the new weights are in place: at the next step boundary, or at once when idle."""
         await asyncio.to_thread(self.engine.load_weights, seed=seed, path=path, state_dict=state_dict, version=version)
+        self._publish_kv_events()  # the swap cleared the prefix cache
 
     @property
     def weight_version(self) -> int:
@@ -146,6 +241,40 @@ class AsyncEngine:
         for request_id in streams:
             self.engine.abort(request_id)
         self._deliver([(loop, queue, EngineDeadError("the engine was shut down")) for loop, queue in streams.values()])
+        with self._kv_lock:
+            subscribers, self._kv_subscribers = self._kv_subscribers, []
+            self.engine.kv_events_enabled = False
+        for sub in subscribers:
+            _call_soon(sub._loop, sub._put, EngineDeadError("the engine was shut down"))
+
+    # ---- KV events ------------------------------------------------------------------------------
+
+    def _publish_kv_events(self) -> None:
+        """Hand the engine's recorded KV events to every subscriber (from any thread)."""
+        if not self.engine.kv_events_enabled:
+            return  # nobody subscribed: nothing was recorded
+        with self._kv_lock:
+            events = self.engine.drain_kv_events()
+            if events:
+                self._deliver_kv(events)
+
+    def _deliver_kv(self, events: list[KvEvent]) -> None:
+        """Caller holds _kv_lock."""
+        if not events or not self._kv_subscribers:
+            return
+        update = KvEventsUpdate(tuple(events), is_snapshot=False, timestamp=time.time())
+        by_loop: dict[asyncio.AbstractEventLoop, list[KvEventStream]] = {}
+        for sub in self._kv_subscribers:
+            by_loop.setdefault(sub._loop, []).append(sub)
+        for loop, subs in by_loop.items():
+            _call_soon(loop, _put_kv_update, subs, update)
+
+    def _unsubscribe_kv(self, stream: KvEventStream) -> None:
+        with self._kv_lock:
+            if stream in self._kv_subscribers:
+                self._kv_subscribers.remove(stream)
+            if not self._kv_subscribers:
+                self.engine.kv_events_enabled = False  # stop recording: nobody listens
 
     # ---- step thread ----------------------------------------------------------------------------
 
@@ -179,12 +308,16 @@ class AsyncEngine:
                 outputs: list[RequestOutput] = self.engine.step()
             except EngineStepError as exc:
                 logger.exception("engine step failed; failing %d request(s)", len(exc.request_ids))
+                self._publish_kv_events()
                 self._fail(exc.request_ids, exc)
                 continue
             except Exception as exc:  # a bug outside the forward: fail everyone rather than die silently
                 logger.exception("engine step raised unexpectedly; failing all requests")
+                self._publish_kv_events()
                 self._fail_all(exc)
                 continue
+            # Events first: a client that sees a request finish can count on its blocks' events being queued.
+            self._publish_kv_events()
             self._dispatch(outputs)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -230,3 +363,15 @@ class AsyncEngine:
 def _put_all(batch: list[tuple[asyncio.Queue[Any], Any]]) -> None:
     for queue, item in batch:
         queue.put_nowait(item)
+
+
+def _put_kv_update(subs: list[KvEventStream], update: KvEventsUpdate) -> None:
+    for sub in subs:
+        sub._put(update)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # that event loop is closed: nobody is listening any more
+        logger.debug("dropping a KV-event update for a closed event loop")

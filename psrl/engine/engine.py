@@ -2,7 +2,12 @@
 
 Thread-safety: `add_request`, `abort` and the stats take a short lock and can be called from any thread
 while `step()` runs in another; the model forward itself runs outside that lock. `load_weights` builds
-the new weights off to the side and swaps them between two steps.
+the new weights off to the side and swaps them between two steps (and clears the prefix cache, whose
+blocks were computed with the old weights).
+
+Prefix caching (on by default, like vLLM v1): full blocks are shared between requests with the same token
+prefix; see prefix_cache.py. With `kv_events_enabled` on, the cache's changes are recorded as KV events
+for `drain_kv_events()`.
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from psrl.engine.errors import (
     MaxModelLenExceededError,
     TokenOutOfRangeError,
 )
-from psrl.engine.kv_cache import BlockAllocator, CacheConfig, PagedKVCache
+from psrl.engine.kv_cache import CacheConfig, PagedKVCache
+from psrl.engine.kv_events import KvEvent
 from psrl.engine.model import Qwen2Model
+from psrl.engine.prefix_cache import BlockPool
 from psrl.engine.request import Request, RequestOutput, RequestStatus
 from psrl.engine.sampler import Sampler, SampleResult, SamplingOptions
 from psrl.engine.scheduler import ScheduledChunk, Scheduler
@@ -43,6 +50,14 @@ class EngineStats:
     kv_capacity_tokens: int  # num_blocks * block_size
     weight_version: int
     num_preemptions: int
+    prefix_caching: bool = False
+    num_cached_blocks: int = 0  # blocks the prefix cache can serve (held by requests or free)
+    prefix_cache_queries: int = 0  # tokens looked up at admission
+    prefix_cache_hits: int = 0  # of those, tokens served from the cache
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class Engine:
@@ -57,6 +72,7 @@ class Engine:
         eos_token_ids: tuple[int, ...] | list[int] = (),
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 4096,
+        enable_prefix_caching: bool = True,
     ) -> None:
         model_config.validate()
         cache_config.validate()
@@ -72,12 +88,13 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = model_config.max_position_embeddings
+        self.enable_prefix_caching = enable_prefix_caching
 
         self._model = self._build_model(seed=seed if weights_path is None else None, path=weights_path)
         self.weight_version = 0
         self.kv_cache = PagedKVCache(model_config, cache_config, device=self.device)
-        self._allocator = BlockAllocator(cache_config.num_blocks)
-        self._scheduler = Scheduler(self._allocator, cache_config.block_size, max_num_seqs, max_num_batched_tokens)
+        self._pool = BlockPool(cache_config.num_blocks, cache_config.block_size, enable_caching=enable_prefix_caching)
+        self._scheduler = Scheduler(self._pool, max_num_seqs, max_num_batched_tokens)
         self._sampler = Sampler(seed)
         self._requests: dict[str, Request] = {}
         self._pending_outputs: list[RequestOutput] = []  # abort notices for the next step to return
@@ -120,6 +137,9 @@ class Engine:
         with self._step_lock:
             self._model = model
             self.weight_version = version
+            if self.enable_prefix_caching:
+                with self._lock:
+                    self._pool.reset()
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -197,17 +217,58 @@ class Engine:
                     finish_reason="abort",
                     matched_stop_token_id=None,
                     num_prompt_tokens=req.num_prompt_tokens,
-                    num_cached_tokens=0,
+                    num_cached_tokens=max(req.num_cached_tokens, 0),
                     num_output_tokens=req.num_output_tokens,
                 )
             )
             return True
 
     def get_block_ids(self, request_id: str) -> list[int] | None:
-        """The KV block table of a live request (a copy), or None if it is not in the engine."""
+        """The KV block table of a live request (a copy), or None if it is not in the engine.
+
+        With prefix caching its leading blocks may be shared with other requests and the cache: read them,
+        never write them.
+        """
         with self._lock:
             req = self._requests.get(request_id)
             return None if req is None else list(req.block_ids)
+
+    # ---- prefix cache and KV events -------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (running requests keep theirs); records AllBlocksCleared.
+
+        Returns how many cached blocks were dropped. Unlike vLLM this never fails: blocks that requests
+        still hold simply stop being shared, and those requests add nothing more to the cache.
+        """
+        with self._lock:
+            return self._pool.reset()
+
+    @property
+    def kv_events_enabled(self) -> bool:
+        return self._pool.events_enabled
+
+    @kv_events_enabled.setter
+    def kv_events_enabled(self, enabled: bool) -> None:
+        """Record KV events from now on (off: nothing is recorded and pending events are dropped)."""
+        with self._lock:
+            self._pool.set_events_enabled(enabled)
+
+    def drain_kv_events(self) -> list[KvEvent]:
+        """The KV events recorded since the last drain, oldest first."""
+        with self._lock:
+            return self._pool.drain_events()
+
+    def drain_kv_events_with_snapshot(self) -> tuple[list[KvEvent], list[KvEvent]]:
+        """(pending events, cache state after them) taken atomically, so a new subscriber can start from the
+        snapshot while earlier subscribers get the pending events: nobody misses or repeats a change."""
+        with self._lock:
+            return self._pool.drain_events(), self._pool.snapshot()
+
+    def kv_cache_snapshot(self) -> list[KvEvent]:
+        """The cached blocks as events: AllBlocksCleared, then BlocksStored chains, parents first."""
+        with self._lock:
+            return self._pool.snapshot()
 
     # ---- the step -------------------------------------------------------------------------------
 
@@ -264,6 +325,7 @@ class Engine:
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the forward ran: its abort output is already queued
             req.num_computed_tokens = chunk.start + chunk.num_tokens
+            self._scheduler.cache_computed_blocks(req)
             if not chunk.samples:
                 continue
             assert sampled is not None
@@ -281,7 +343,7 @@ class Engine:
                     finish_reason=finish_reason,
                     matched_stop_token_id=matched,
                     num_prompt_tokens=req.num_prompt_tokens,
-                    num_cached_tokens=0,
+                    num_cached_tokens=max(req.num_cached_tokens, 0),
                     num_output_tokens=req.num_output_tokens,
                 )
             )
@@ -312,15 +374,20 @@ class Engine:
 
     @property
     def num_used_blocks(self) -> int:
-        return self._allocator.num_used
+        """Blocks held by requests; cached blocks nobody holds are reclaimable and count as free."""
+        return self._pool.num_used
 
     @property
     def num_total_blocks(self) -> int:
-        return self._allocator.num_total
+        return self._pool.num_total
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self._pool.num_cached
 
     @property
     def kv_cache_usage(self) -> float:
-        return self._allocator.num_used / self._allocator.num_total
+        return self._pool.num_used / self._pool.num_total
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -331,11 +398,15 @@ class Engine:
             return EngineStats(
                 num_running=len(self._scheduler.running),
                 num_waiting=len(self._scheduler.waiting),
-                num_used_blocks=self._allocator.num_used,
-                num_total_blocks=self._allocator.num_total,
+                num_used_blocks=self._pool.num_used,
+                num_total_blocks=self._pool.num_total,
                 block_size=self.cache_config.block_size,
-                kv_cache_usage=self._allocator.num_used / self._allocator.num_total,
+                kv_cache_usage=self._pool.num_used / self._pool.num_total,
                 kv_capacity_tokens=self.cache_config.capacity_tokens,
                 weight_version=self.weight_version,
                 num_preemptions=self._scheduler.num_preemptions,
+                prefix_caching=self.enable_prefix_caching,
+                num_cached_blocks=self._pool.num_cached,
+                prefix_cache_queries=self._scheduler.prefix_cache_queries,
+                prefix_cache_hits=self._scheduler.prefix_cache_hits,
             )

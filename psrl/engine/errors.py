@@ -72,6 +72,12 @@ class EngineStepError(EngineError, RuntimeError):
         self.request_ids = request_ids
 
 
+class KvEventsOverflowError(EngineError, RuntimeError):
+    """A KV-event subscriber fell too far behind and was dropped; it resubscribes to get a fresh snapshot."""
+
+    code = "kv_events_overflow"
+
+
 class EngineDeadError(EngineError, RuntimeError):
     """The async engine was shut down (or its thread died); no more requests are served."""
 

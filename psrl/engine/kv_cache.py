@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from psrl.engine.config import ModelConfig
-from psrl.engine.errors import ConfigError, OutOfBlocks
+from psrl.engine.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -55,44 +54,3 @@ class PagedKVCache:
     @property
     def block_shape(self) -> tuple[int, int, int]:
         return (self.block_size, self.num_kv_heads, self.head_dim)
-
-
-class BlockAllocator:
-    """Free list of block ids. Freed blocks go to the back, so recently freed ones are reused last."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self._num_total = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        self._is_free = [True] * num_blocks
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_total(self) -> int:
-        return self._num_total
-
-    @property
-    def num_used(self) -> int:
-        return self._num_total - len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        if n < 0:
-            raise ValueError(f"cannot allocate a negative number of blocks ({n})")
-        if n > len(self._free):
-            raise OutOfBlocks(n, len(self._free))
-        ids = [self._free.popleft() for _ in range(n)]
-        for i in ids:
-            self._is_free[i] = False
-        return ids
-
-    def free(self, ids: list[int]) -> None:
-        for i in ids:
-            if not 0 <= i < self._num_total:
-                raise ValueError(f"block id {i} is out of range [0, {self._num_total})")
-            if self._is_free[i]:
-                raise ValueError(f"block {i} is freed twice")
-        for i in ids:
-            self._is_free[i] = True
-            self._free.append(i)

@@ -39,9 +39,13 @@ class Request:
     """A sequence being generated: its tokens, its KV blocks and how many of its tokens the cache holds."""
 
     __slots__ = (
+        "block_hashes",
         "block_ids",
+        "cache_epoch",
         "generator",
         "max_total_tokens",
+        "num_cached_blocks",
+        "num_cached_tokens",
         "num_computed_tokens",
         "num_prompt_tokens",
         "request_id",
@@ -64,6 +68,14 @@ class Request:
         self.max_total_tokens = max_total_tokens  # prompt + output may not exceed this
         self.block_ids: list[int] = []
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        # Prefix caching: hashes of the full blocks of token_ids (filled lazily), how many leading
+        # block_ids are registered in the prefix cache (or were served from it), the pool epoch the
+        # request's KV was computed under, and the prompt tokens served from the cache at first
+        # admission (-1 until then; what vLLM reports as num_cached_tokens).
+        self.block_hashes: list[int] = []
+        self.num_cached_blocks = 0
+        self.cache_epoch = 0
+        self.num_cached_tokens = -1
         self.status = RequestStatus.WAITING
         self.generator: torch.Generator | None = None
         if sampling.seed is not None:

@@ -2,7 +2,9 @@
 
 Pure bookkeeping over requests and the block allocator (no tensors), in the spirit of vLLM v1: every
 request simply has tokens whose K/V are not in the cache yet; a step computes up to the token budget of
-them, so prefill, chunked prefill, recompute after preemption and decode are one code path.
+them, so prefill, chunked prefill, recompute after preemption and decode are one code path. With prefix
+caching, admission first takes the longest run of cached full blocks of the request's tokens (never all of
+them: the last token is always computed), and blocks become cached once their K/V are fully computed.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from psrl.engine.kv_cache import BlockAllocator, blocks_for_tokens
+from psrl.engine.kv_cache import blocks_for_tokens
+from psrl.engine.prefix_cache import BlockPool, extend_block_hashes
 from psrl.engine.request import Request, RequestStatus
 
 
@@ -27,16 +30,17 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(
-        self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int
-    ) -> None:
-        self.allocator = allocator
-        self.block_size = block_size
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the last one is preempted first
         self.num_preemptions = 0
+        # Prefix-cache hit rate, in tokens, over admissions (re-admissions after preemption included).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
@@ -64,7 +68,7 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_uncomputed_tokens, budget)
             need = self._blocks_needed(req, n)
-            while need > self.allocator.num_free:
+            while need > self.pool.num_free:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -72,25 +76,55 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break
-            req.block_ids.extend(self.allocator.allocate(need))
+            req.block_ids.extend(self.pool.allocate(need))
             chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
             i += 1
 
         # No admissions in a step that had to preempt: the cache is already too tight.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            n = min(req.num_uncomputed_tokens, budget)
-            need = self._blocks_needed(req, n)
-            if need > self.allocator.num_free:
+            req = self.waiting[0]  # a waiting request holds no blocks and no computed tokens
+            hits = self._cached_prefix(req)
+            num_hit_tokens = len(hits) * self.block_size
+            n = min(req.num_tokens - num_hit_tokens, budget)
+            need = blocks_for_tokens(num_hit_tokens + n, self.block_size) - len(hits)
+            if need + self.pool.num_evictable(hits) > self.pool.num_free:
                 break
             self.waiting.popleft()
-            req.block_ids.extend(self.allocator.allocate(need))
+            self.pool.touch(hits)  # before allocate, which could otherwise evict them
+            req.block_ids = hits + self.pool.allocate(need)
+            req.num_computed_tokens = num_hit_tokens
+            req.num_cached_blocks = len(hits)
+            req.cache_epoch = self.pool.epoch
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit_tokens
+            if self.pool.enable_caching:
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += num_hit_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
         return chunks
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        if not self.pool.enable_caching:
+            return []
+        # At most num_tokens - 1 tokens from the cache: the last one is computed to get logits (vLLM's rule).
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        extend_block_hashes(req.block_hashes, req.token_ids, self.block_size, max_blocks)
+        return self.pool.cached_prefix(req.block_hashes[:max_blocks])
+
+    def cache_computed_blocks(self, req: Request) -> None:
+        """After a step: put the request's newly full, fully computed blocks in the prefix cache."""
+        if not self.pool.enable_caching or req.cache_epoch != self.pool.epoch:
+            return  # its KV predates a reset (maybe other weights): never shared
+        num_full = req.num_computed_tokens // self.block_size
+        if num_full <= req.num_cached_blocks:
+            return
+        extend_block_hashes(req.block_hashes, req.token_ids, self.block_size, num_full)
+        self.pool.cache_blocks(req.block_ids, req.block_hashes, req.token_ids, req.num_cached_blocks, num_full)
+        req.num_cached_blocks = num_full
 
     def _blocks_needed(self, req: Request, num_new_tokens: int) -> int:
         total = blocks_for_tokens(req.num_computed_tokens + num_new_tokens, self.block_size)
@@ -100,11 +134,12 @@ class Scheduler:
         """Preempt by recompute: drop its KV; it re-enters the queue first, with all its tokens so far."""
         self._free_blocks(req)
         req.num_computed_tokens = 0
+        req.num_cached_blocks = 0
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
     def _free_blocks(self, req: Request) -> None:
         if req.block_ids:
-            self.allocator.free(req.block_ids)
+            self.pool.free(req.block_ids)  # cached blocks stay cached until evicted
             req.block_ids = []

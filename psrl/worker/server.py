@@ -31,6 +31,7 @@ class WorkerArgs:
     num_blocks: int = 1024
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
+    enable_prefix_caching: bool = True
     device: str = "cpu"
     router: str | None = None
     router_api_key: str | None = None
@@ -61,6 +62,12 @@ def parse_args(argv: list[str] | None = None) -> WorkerArgs:
     p.add_argument("--num-blocks", type=int, default=d.num_blocks)
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="turn automatic prefix caching off (it is on by default, as in vLLM v1)",
+    )
     p.add_argument("--device", default=d.device)
     p.add_argument("--router", default=d.router, help="router URL to register with (POST /workers)")
     p.add_argument("--router-api-key", default=d.router_api_key)
@@ -90,6 +97,7 @@ async def serve(args: WorkerArgs) -> None:
                 eos_token_ids=folder.tokenizer.eos_token_ids,
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=args.enable_prefix_caching,
             )
         )
         for _ in range(args.dp_size)

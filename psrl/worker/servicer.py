@@ -4,6 +4,12 @@ Streaming: every engine step's delta becomes a chunk (new ids, their log-probs);
 gets a complete frame carrying only the last delta, so the router accumulates chunks and uses the complete
 frame's ids only when no chunk came. An abort while streaming therefore ends with an empty chunk and an
 empty "abort" complete frame. Without streaming, one complete frame carries every id produced so far.
+
+KV events: `SubscribeKvEvents` streams every dp rank's prefix-cache events on one call, each batch tagged
+with its `dp_rank` and numbered per rank. There is no replay history: each rank's stream opens with a
+snapshot of its live cached blocks (a KvCacheCleared, then the blocks parents first, marked as
+KvSnapshotChunk), numbered from start_sequence_number + 1, so a resuming client sees no gap and resyncs.
+`FlushCache` clears every rank's prefix cache at once (subscribers get a KvCacheCleared).
 """
 
 from __future__ import annotations
@@ -15,13 +21,27 @@ import logging
 import time
 import zipfile
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from psrl.engine import AsyncEngine, RequestOutput, SamplingOptions
+from psrl.engine import (
+    AllBlocksCleared,
+    AsyncEngine,
+    BlocksRemoved,
+    BlocksStored,
+    EngineDeadError,
+    EngineError,
+    KvEvent,
+    KvEventsOverflowError,
+    KvEventStream,
+    KvEventsUpdate,
+    RequestOutput,
+    SamplingOptions,
+)
 from psrl.worker.model_folder import ModelFolder
 
 logger = logging.getLogger(__name__)
@@ -38,6 +58,8 @@ _TOKENIZER_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
 )
+SNAPSHOT_EVENTS_PER_BATCH = 256  # a big cache's snapshot goes out as several KvSnapshotChunk batches
+_MERGED_UPDATES = 8  # per rank: past this the rank's own queue fills, and overflows if the client stalls
 
 
 def sampling_from_proto(params: vllm_engine_pb2.SamplingParams) -> SamplingOptions:
@@ -286,6 +308,7 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                     num_used_tokens=s.num_used_blocks * s.block_size,
                     max_total_num_tokens=s.num_total_blocks * s.block_size,
                     token_usage=s.kv_cache_usage,
+                    cache_hit_rate=s.prefix_cache_hit_rate,
                     max_running_requests=self.engines[rank].engine.max_num_seqs,
                 )
             )
@@ -305,6 +328,150 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         for start in range(0, len(data), TOKENIZER_CHUNK_BYTES):
             end = start + TOKENIZER_CHUNK_BYTES
             yield common_pb2.GetTokenizerChunk(data=data[start:end], sha256=sha if end >= len(data) else "")
+
+    # ---- KV events -------------------------------------------------------------------------------
+
+    async def SubscribeKvEvents(
+        self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.KvEventBatch]:
+        streams: list[KvEventStream] = []
+        pumps: list[asyncio.Task[None]] = []
+        merged: asyncio.Queue[tuple[int, KvEventsUpdate | EngineError]] = asyncio.Queue(
+            maxsize=_MERGED_UPDATES * len(self.engines)
+        )
+        try:
+            try:
+                for engine in self.engines:
+                    streams.append(engine.subscribe_kv_events())
+            except EngineDeadError as e:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            pumps = [asyncio.create_task(_pump_kv(rank, s, merged)) for rank, s in enumerate(streams)]
+            cursors = [
+                _KvRankStream(rank, engine, request.start_sequence_number) for rank, engine in enumerate(self.engines)
+            ]
+            await context.send_initial_metadata(())  # the client's call resolves before the first batch
+            while True:
+                rank, item = await merged.get()
+                if isinstance(item, KvEventsOverflowError):
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(item))
+                elif isinstance(item, EngineError):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(item))
+                else:
+                    for batch in cursors[rank].batches(item):
+                        yield batch
+        finally:  # client gone, cancelled or failed: unsubscribe, so the engines stop recording for it
+            for pump in pumps:
+                pump.cancel()
+            for stream in streams:
+                stream.close()
+
+    async def FlushCache(
+        self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.FlushCacheResponse:
+        """Drop every rank's prefix cache; running requests keep their blocks (never needs to wait)."""
+        cleared = sum(engine.reset_prefix_cache() for engine in self.engines)
+        return common_pb2.FlushCacheResponse(success=True, message=f"dropped {cleared} cached blocks")
+
+
+async def _pump_kv(
+    rank: int, stream: KvEventStream, merged: asyncio.Queue[tuple[int, KvEventsUpdate | EngineError]]
+) -> None:
+    """Move one rank's updates into the call's queue (blocking when the client is slow)."""
+    try:
+        async for update in stream:
+            await merged.put((rank, update))
+    except EngineError as e:
+        await merged.put((rank, e))
+
+
+@dataclass
+class _KvRankStream:
+    """One dp rank's numbering on one SubscribeKvEvents call, and the proto conversion of its updates."""
+
+    rank: int
+    engine: AsyncEngine
+    sequence_number: int  # of the last batch sent
+    event_id: int = 0
+    sample: int = 0
+
+    @property
+    def medium(self) -> str:
+        return "GPU" if self.engine.engine.device.type == "cuda" else "CPU"
+
+    def batches(self, update: KvEventsUpdate) -> list[common_pb2.KvEventBatch]:
+        if not update.is_snapshot:
+            events = []
+            for event in update.events:
+                self.event_id += 1
+                events.append(_kv_event_proto(event, self.event_id, self.medium))
+            return [self._batch(update.timestamp, events)]
+        # Synthesized events carry event_id 0 (KvSnapshotChunk's rule); the first chunk opens with the clear.
+        size = SNAPSHOT_EVENTS_PER_BATCH
+        chunks = [update.events[i : i + size] for i in range(0, len(update.events), size)] or [()]
+        num_blocks = sum(len(e.blocks) for e in update.events if isinstance(e, BlocksStored))
+        out = []
+        for index, chunk in enumerate(chunks):
+            batch = self._batch(update.timestamp, [_kv_event_proto(e, 0, self.medium) for e in chunk])
+            batch.snapshot.CopyFrom(
+                common_pb2.KvSnapshotChunk(index=index, count=len(chunks), blocks=num_blocks, unknown_before=0)
+            )
+            out.append(batch)
+        return out
+
+    def _batch(self, timestamp: float, events: list[common_pb2.KvCacheEvent]) -> common_pb2.KvEventBatch:
+        self.sequence_number += 1
+        self.sample += 1
+        return common_pb2.KvEventBatch(
+            sequence_number=self.sequence_number,
+            timestamp=timestamp,
+            events=events,
+            dp_rank=self.rank,
+            load=self._load(),
+        )
+
+    def _load(self) -> common_pb2.EngineLoad:
+        s = self.engine.stats()
+        load = common_pb2.EngineLoad(
+            running_requests=s.num_running,
+            waiting_requests=s.num_waiting,
+            token_usage=s.kv_cache_usage,
+            # Cached blocks nobody holds are reclaimable, so usage already excludes them.
+            active_token_usage=s.kv_cache_usage,
+            max_running_requests=self.engine.engine.max_num_seqs,
+            age_ms=0,
+            sample=self.sample,
+        )
+        if self.sample == 1:  # telemetry beyond the routing core: on a stream's first record only
+            load.cache_hit_rate = s.prefix_cache_hit_rate
+            load.num_used_tokens = s.num_used_blocks * s.block_size
+            load.max_total_num_tokens = s.num_total_blocks * s.block_size
+        return load
+
+
+def _kv_event_proto(event: KvEvent, event_id: int, medium: str) -> common_pb2.KvCacheEvent:
+    if isinstance(event, BlocksStored):
+        stored = common_pb2.KvBlocksStored(
+            blocks=[
+                common_pb2.KvBlock(block_hash=b.block_hash, token_ids=b.token_ids, block_size=event.block_size)
+                for b in event.blocks
+            ],
+            tier=common_pb2.KV_CACHE_TIER_DEVICE,
+            medium=medium,
+            locality=common_pb2.KV_CACHE_LOCALITY_LOCAL,
+        )
+        if event.parent_block_hash is not None:
+            stored.parent_block_hash = event.parent_block_hash
+        return common_pb2.KvCacheEvent(event_id=event_id, stored=stored)
+    if isinstance(event, BlocksRemoved):
+        removed = common_pb2.KvBlocksRemoved(
+            block_hashes=event.block_hashes,
+            tier=common_pb2.KV_CACHE_TIER_DEVICE,
+            medium=medium,
+            locality=common_pb2.KV_CACHE_LOCALITY_LOCAL,
+        )
+        return common_pb2.KvCacheEvent(event_id=event_id, removed=removed)
+    assert isinstance(event, AllBlocksCleared)
+    return common_pb2.KvCacheEvent(event_id=event_id, cleared=common_pb2.KvCacheCleared())
 
 
 class _InvalidArgument(ValueError):

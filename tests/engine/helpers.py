@@ -6,9 +6,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from psrl.engine import CacheConfig, Engine, ModelConfig, RequestOutput, SamplingOptions
+from psrl.engine import (
+    AllBlocksCleared,
+    BlocksRemoved,
+    CacheConfig,
+    Engine,
+    KvEvent,
+    ModelConfig,
+    RequestOutput,
+    SamplingOptions,
+)
 
 VOCAB = 256
+CacheState = dict[int, tuple[int | None, tuple[int, ...]]]  # block hash -> (parent hash, token ids)
 
 
 def model_config(**overrides: object) -> ModelConfig:
@@ -70,3 +80,19 @@ def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingOptions]]) 
     for request_id, (prompt, sampling) in requests.items():
         engine.add_request(request_id, prompt, sampling)
     return drain(engine)
+
+
+def apply(state: CacheState, events: list[KvEvent]) -> None:
+    """What a subscriber does with the events: hash -> (parent hash, token ids)."""
+    for event in events:
+        if isinstance(event, AllBlocksCleared):
+            state.clear()
+        elif isinstance(event, BlocksRemoved):
+            for h in event.block_hashes:
+                del state[h]
+        else:
+            parent = event.parent_block_hash
+            for blk in event.blocks:
+                assert blk.block_hash not in state
+                state[blk.block_hash] = (parent, blk.token_ids)
+                parent = blk.block_hash

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from psrl.engine import (
-    BlockAllocator,
+    BlockPool,
     CacheConfig,
     ConfigError,
     ModelConfig,
@@ -33,7 +33,7 @@ def paged_logits_teacher_forced(
     Returns per sequence the logits at every position, taken from the paged path.
     """
     cache = PagedKVCache(model.config, CacheConfig(block_size=block_size, num_blocks=64))
-    alloc = BlockAllocator(64)
+    alloc = BlockPool(64, block_size, enable_caching=False)
     reqs = [Request(f"s{i}", seq, SamplingOptions(), 10_000) for i, seq in enumerate(sequences)]
     logits: list[list[torch.Tensor]] = [[] for _ in sequences]
     first = True
