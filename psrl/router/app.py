@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -13,12 +12,9 @@ from urllib.parse import urlsplit
 
 import grpc
 import httpx
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
 
 from psrl.router import coordinator_api
+from psrl.router.asgi import AnyResponse, App, Request, Response, StreamingResponse, json_response
 from psrl.router.background import BackgroundLoops
 from psrl.router.config import RouterConfig
 from psrl.router.errors import (
@@ -55,11 +51,10 @@ _JSON = "application/json"
 # Failures of the instance itself (they count against its circuit breaker); client errors do not.
 _WORKER_FAULTS = (WorkerUnavailable, WorkerStreamFailed, WorkerTimeout, WorkerInternalError)
 
-Handler = Callable[[Request], Awaitable[Response]]
+Handler = Callable[[Request], Awaitable[Response | StreamingResponse]]
 
 
-def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(json.dumps(payload), status_code=status, media_type=_JSON, headers=headers)
+_json = json_response
 
 
 def _instance_headers(ticket: Ticket) -> dict[str, str]:
@@ -114,15 +109,14 @@ class RouterApp:
             ("/v1/completions", "POST", self.completions, data),
             ("/generate", "POST", self.generate, data),
         ]
-        self.app = Starlette(
-            routes=[Route(path, self._endpoint(path, h, auth), methods=[m]) for path, m, h, auth in routes],
-            lifespan=self._lifespan,
-        )
+        self.app = App(self._lifespan)
+        for path, method, handler, auth in routes:
+            self.app.route(method, path, self._endpoint(path, handler, auth))
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+    async def _lifespan(self) -> AsyncIterator[None]:
         self.background.start()
         for url in self.config.worker_urls:
             self._startup.append(asyncio.create_task(self._register_from_cli(url)))
@@ -148,7 +142,7 @@ class RouterApp:
     # ---- the wrapper every endpoint runs in: auth, request id, errors, metrics ----------------------------
 
     def _endpoint(self, route: str, handler: Handler, auth: bool | None) -> Handler:
-        async def endpoint(request: Request) -> Response:
+        async def endpoint(request: Request) -> AnyResponse:
             start = time.perf_counter()
             token = request_id_var.set(request.headers.get("x-request-id", "-"))
             try:
@@ -183,26 +177,26 @@ class RouterApp:
 
     # ---- simple endpoints ----------------------------------------------------------------------------
 
-    async def health(self, request: Request) -> Response:
+    async def health(self, request: Request) -> AnyResponse:
         return _json({"status": "ok", "workers": len(self.registry.workers())})
 
-    async def metrics_endpoint(self, request: Request) -> Response:
+    async def metrics_endpoint(self, request: Request) -> AnyResponse:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    async def models(self, request: Request) -> Response:
+    async def models(self, request: Request) -> AnyResponse:
         data = [{"id": m, "object": "model", "created": 0, "owned_by": "psrl"} for m in self.registry.models()]
         return _json({"object": "list", "data": data})
 
     # ---- worker registry and coordinator endpoints ----------------------------------------------------
 
-    async def list_workers(self, request: Request) -> Response:
+    async def list_workers(self, request: Request) -> AnyResponse:
         return _json({"workers": [w.to_json() for w in self.registry.workers()]})
 
-    async def add_worker(self, request: Request) -> Response:
+    async def add_worker(self, request: Request) -> AnyResponse:
         worker = await self._register(await self._body(request))
         return _json({"worker_id": worker.worker_id, "status": "registered", "worker": worker.to_json()})
 
-    async def remove_worker(self, request: Request) -> Response:
+    async def remove_worker(self, request: Request) -> AnyResponse:
         worker_id = request.path_params["worker_id"]
         worker = self.registry.remove(worker_id)
         if worker is None:
@@ -223,19 +217,19 @@ class RouterApp:
             raise BadRequest("request body is empty")
         return body
 
-    async def workers_stats(self, request: Request) -> Response:
+    async def workers_stats(self, request: Request) -> AnyResponse:
         return _json(coordinator_api.worker_stats(self.registry))
 
-    async def update_stats(self, request: Request) -> Response:
+    async def update_stats(self, request: Request) -> AnyResponse:
         return _json(coordinator_api.update_stats(self.registry, await self._coordinator_body(request)))
 
-    async def update_weight_version(self, request: Request) -> Response:
+    async def update_weight_version(self, request: Request) -> AnyResponse:
         return _json(coordinator_api.update_weight_version(self.registry, await self._coordinator_body(request)))
 
-    async def pause_workers(self, request: Request) -> Response:
+    async def pause_workers(self, request: Request) -> AnyResponse:
         return _json(coordinator_api.set_paused(self.registry, await self._coordinator_body(request), True))
 
-    async def resume_workers(self, request: Request) -> Response:
+    async def resume_workers(self, request: Request) -> AnyResponse:
         return _json(coordinator_api.set_paused(self.registry, await self._coordinator_body(request), False))
 
     async def _register(self, body: dict[str, Any]) -> Worker:
@@ -371,14 +365,13 @@ class RouterApp:
 
         return StreamingResponse(body(), media_type="text/event-stream", headers=_instance_headers(ticket))
 
-    async def _proxy(self, route: str, ticket: Ticket, raw: bytes, request: Request, stream: bool) -> Response:
+    async def _proxy(self, route: str, ticket: Ticket, raw: bytes, request: Request, stream: bool) -> AnyResponse:
         """Forward a request as received to an HTTP worker."""
         worker = ticket.instance.worker
-        headers = dict(request.headers)
         if not stream:
             error: RouterError | None = None
             try:
-                up = await self.http.forward(worker, route, raw, headers)
+                up = await self.http.forward(worker, route, raw, request.headers)
                 if up.status >= 500:
                     error = WorkerInternalError(f"worker {worker.worker_id} answered {up.status}")
             except RouterError as e:
@@ -386,11 +379,10 @@ class RouterApp:
                 raise
             finally:
                 self._finish(ticket, error)
-            return Response(
-                up.body, status_code=up.status, media_type=up.content_type, headers=_instance_headers(ticket)
-            )
+            ctype = up.headers.get("content-type", _JSON)
+            return Response(up.body, status_code=up.status, media_type=ctype, headers=_instance_headers(ticket))
         try:
-            status, ctype, chunks = await self.http.stream(worker, route, raw, headers)
+            head, chunks = await self.http.stream(worker, route, raw, request.headers)
         except RouterError as e:
             self._finish(ticket, e)
             raise
@@ -407,14 +399,15 @@ class RouterApp:
             finally:
                 self._finish(ticket, error)
 
-        return StreamingResponse(relay(), status_code=status, media_type=ctype, headers=_instance_headers(ticket))
+        ctype = head.headers.get("content-type", "text/event-stream")
+        return StreamingResponse(relay(), status_code=head.status, media_type=ctype, headers=_instance_headers(ticket))
 
     def _needs_tokens(self, model: str) -> bool:
         return any(w.connection_mode == "grpc" for w in self.registry.serving(model))
 
     # ---- data plane -----------------------------------------------------------------------------------
 
-    async def chat_completions(self, request: Request) -> Response:
+    async def chat_completions(self, request: Request) -> AnyResponse:
         raw = await request.body()
         body = P.parse_json_body(raw, self.config.max_payload_bytes)
         meta = parse_routing_meta(request.headers)
@@ -468,7 +461,7 @@ class RouterApp:
             call, decoder, envelope=envelope, choice=choice, opening=opening, include_usage=chat.include_usage
         )
 
-    async def completions(self, request: Request) -> Response:
+    async def completions(self, request: Request) -> AnyResponse:
         raw = await request.body()
         body = P.parse_json_body(raw, self.config.max_payload_bytes)
         meta = parse_routing_meta(request.headers)
@@ -531,7 +524,7 @@ class RouterApp:
         decoder = IncrementalDecoder(tok, req.sampling.skip_special_tokens)
         return sse_stream(call, decoder, envelope=envelope, choice=choice, include_usage=req.include_usage)
 
-    async def generate(self, request: Request) -> Response:
+    async def generate(self, request: Request) -> AnyResponse:
         body = await self._body(request)
         meta = parse_routing_meta(request.headers)
         req = P.parse_generate(body)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from starlette.responses import Response
+from psrl.router.asgi import Response
 
 ERROR_CODE_HEADER = "x-smg-error-code"
 
@@ -34,12 +34,7 @@ class RouterError(Exception):
         }
 
     def to_response(self) -> Response:
-        return Response(
-            json.dumps(self.body()),
-            status_code=self.status,
-            media_type="application/json",
-            headers={ERROR_CODE_HEADER: self.code},
-        )
+        return Response(json.dumps(self.body()), self.status, "application/json", {ERROR_CODE_HEADER: self.code})
 
 
 class BadRequest(RouterError):

@@ -6,13 +6,15 @@ Bodies are forwarded as received, so the router adds no JSON re-serialisation; p
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 import httpx
 
 from psrl.router.errors import RouterError, WorkerStreamFailed, WorkerTimeout, WorkerUnavailable
+from psrl.router.http_client import HttpClient, HttpConnectionError, HttpResponse
 from psrl.router.registry import Worker
 
 logger = logging.getLogger(__name__)
@@ -26,20 +28,15 @@ class HttpWorkerFacts:
     max_context_length: int
 
 
-@dataclass
-class UpstreamResponse:
-    status: int
-    content_type: str
-    body: bytes
-
-
 class HttpWorkers:
     def __init__(self, connect_timeout_s: float, request_timeout_s: float | None) -> None:
-        timeout = httpx.Timeout(request_timeout_s, connect=connect_timeout_s)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512, keepalive_expiry=60)
-        self._client = httpx.AsyncClient(timeout=timeout, limits=limits)
+        # httpx for the rare control calls; the lean client for the per-request proxy path.
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=connect_timeout_s))
+        self._fast = HttpClient()
+        self._request_timeout_s = request_timeout_s
 
     async def close(self) -> None:
+        self._fast.close()
         await self._client.aclose()
 
     async def facts(self, url: str, timeout_s: float) -> HttpWorkerFacts:
@@ -57,39 +54,41 @@ class HttpWorkers:
             return False
         return resp.status_code == 200
 
-    def _error(self, worker: Worker, e: httpx.HTTPError, started: bool) -> RouterError:
-        if isinstance(e, httpx.TimeoutException) and not isinstance(e, httpx.ConnectTimeout):
+    def _error(self, worker: Worker, e: Exception) -> RouterError:
+        if isinstance(e, TimeoutError):
             return WorkerTimeout(f"worker {worker.worker_id} did not answer within the request timeout")
-        if started or isinstance(e, httpx.RemoteProtocolError | httpx.ReadError):
-            return WorkerStreamFailed(f"worker {worker.worker_id} failed mid-request: {e!r}")
-        return WorkerUnavailable(f"worker {worker.worker_id} is unavailable: {e!r}")
+        if isinstance(e, HttpConnectionError):
+            return WorkerUnavailable(f"worker {worker.worker_id} is unavailable: {e}")
+        return WorkerStreamFailed(f"worker {worker.worker_id} failed mid-request: {e}")
 
-    async def forward(self, worker: Worker, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
-        sent = {k: v for k, v in headers.items() if k in _FORWARDED_HEADERS}
+    @staticmethod
+    def _headers(headers: Mapping[str, str]) -> dict[str, str]:
+        return {k: v for k, v in headers.items() if k in _FORWARDED_HEADERS}
+
+    async def forward(self, worker: Worker, path: str, body: bytes, headers: Mapping[str, str]) -> HttpResponse:
+        host, port = worker.host_port
         try:
-            resp = await self._client.post(f"{worker.url}{path}", content=body, headers=sent)
-        except httpx.HTTPError as e:
-            raise self._error(worker, e, started=False) from e
-        return UpstreamResponse(resp.status_code, resp.headers.get("content-type", "application/json"), resp.content)
+            async with asyncio.timeout(self._request_timeout_s):
+                return await self._fast.post(host, port, path, body, self._headers(headers))
+        except (ConnectionError, TimeoutError) as e:
+            raise self._error(worker, e) from e
 
     async def stream(
-        self, worker: Worker, path: str, body: bytes, headers: dict[str, str]
-    ) -> tuple[int, str, AsyncIterator[bytes]]:
+        self, worker: Worker, path: str, body: bytes, headers: Mapping[str, str]
+    ) -> tuple[HttpResponse, AsyncIterator[bytes]]:
         """Open the upstream stream (errors before the first byte raise here) and return its byte iterator."""
-        sent = {k: v for k, v in headers.items() if k in _FORWARDED_HEADERS}
-        request = self._client.build_request("POST", f"{worker.url}{path}", content=body, headers=sent)
+        host, port = worker.host_port
         try:
-            resp = await self._client.send(request, stream=True)
-        except httpx.HTTPError as e:
-            raise self._error(worker, e, started=False) from e
+            async with asyncio.timeout(self._request_timeout_s):
+                head, chunks = await self._fast.post_stream(host, port, path, body, self._headers(headers))
+        except (ConnectionError, TimeoutError) as e:
+            raise self._error(worker, e) from e
 
-        async def chunks() -> AsyncIterator[bytes]:
+        async def relay() -> AsyncIterator[bytes]:
             try:
-                async for chunk in resp.aiter_raw():
+                async for chunk in chunks:
                     yield chunk
-            except httpx.HTTPError as e:
-                raise self._error(worker, e, started=True) from e
-            finally:
-                await resp.aclose()
+            except ConnectionError as e:
+                raise self._error(worker, e) from e
 
-        return resp.status_code, resp.headers.get("content-type", "text/event-stream"), chunks()
+        return head, relay()

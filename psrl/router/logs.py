@@ -39,3 +39,5 @@ def configure_logging(level: str, fmt: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    for chatty in ("httpx", "httpcore"):  # one INFO line per HTTP call: noise, and CPU on the hot path
+        logging.getLogger(chatty).setLevel(logging.WARNING)

@@ -104,6 +104,11 @@ class Worker:
         return urlsplit(self.url).netloc
 
     @property
+    def host_port(self) -> tuple[str, int]:
+        parts = urlsplit(self.url)
+        return parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80)
+
+    @property
     def healthy(self) -> bool:
         return self.health.healthy
 

@@ -1,0 +1,208 @@
+"""The router's own minimal ASGI layer: exact-path routing, a request with its headers and body, plain and
+streaming responses, lifespan. A general framework's middleware stack, routing regexes and response objects
+cost more CPU per request than the proxying itself; this keeps the hot path to what it needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class Request:
+    __slots__ = ("_body", "_receive", "headers", "method", "path", "path_params", "query")
+
+    def __init__(self, scope: Scope, receive: Receive, path_params: dict[str, str]) -> None:
+        self._receive = receive
+        self._body: bytes | None = None
+        self.method: str = scope["method"]
+        self.path: str = scope["path"]
+        self.query: bytes = scope.get("query_string", b"")
+        self.path_params = path_params
+        # ASGI servers give lower-case names; a plain dict keeps look-ups in C.
+        self.headers: dict[str, str] = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+
+    async def body(self) -> bytes:
+        if self._body is None:
+            parts = []
+            more = True
+            while more:
+                message = await self._receive()
+                if message["type"] == "http.disconnect":
+                    raise ConnectionError("client disconnected while sending the body")
+                parts.append(message.get("body", b""))
+                more = message.get("more_body", False)
+            self._body = b"".join(parts)
+        return self._body
+
+    async def wait_disconnect(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+
+
+def _raw_headers(media_type: str, headers: dict[str, str] | None, length: int | None) -> list[tuple[bytes, bytes]]:
+    raw = [(b"content-type", media_type.encode("latin-1"))]
+    if length is not None:
+        raw.append((b"content-length", str(length).encode()))
+    if headers:
+        raw.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items())
+    return raw
+
+
+class Response:
+    __slots__ = ("body", "headers", "media_type", "status_code")
+
+    def __init__(
+        self,
+        body: bytes | str = b"",
+        status_code: int = 200,
+        media_type: str = "application/json",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.body = body.encode() if isinstance(body, str) else body
+        self.status_code = status_code
+        self.media_type = media_type
+        self.headers = headers
+
+    async def __call__(self, request: Request, send: Send) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": self.status_code,
+                "headers": _raw_headers(self.media_type, self.headers, len(self.body)),
+            }
+        )
+        await send({"type": "http.response.body", "body": self.body})
+
+
+def json_response(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(json.dumps(payload), status, "application/json", headers)
+
+
+class StreamingResponse:
+    """Sends chunks as the iterator yields them; a client that disconnects cancels the iterator, so its
+    `finally` blocks (releasing the instance, cancelling the upstream call) run at once."""
+
+    __slots__ = ("chunks", "headers", "media_type", "status_code")
+
+    def __init__(
+        self,
+        chunks: AsyncIterator[bytes],
+        status_code: int = 200,
+        media_type: str = "text/event-stream",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.chunks = chunks
+        self.status_code = status_code
+        self.media_type = media_type
+        self.headers = headers
+
+    async def _stream(self, send: Send) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": self.status_code,
+                "headers": _raw_headers(self.media_type, self.headers, None),
+            }
+        )
+        async for chunk in self.chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, request: Request, send: Send) -> None:
+        streamer = asyncio.ensure_future(self._stream(send))
+        watcher = asyncio.ensure_future(request.wait_disconnect())
+        try:
+            await asyncio.wait((streamer, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            streamer.cancel()  # a no-op when it finished; otherwise the client left (or we are being cancelled)
+            await asyncio.gather(streamer, watcher, return_exceptions=True)
+            aclose = getattr(self.chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()  # runs the iterator's `finally` even if it was parked at a `yield`
+        if not streamer.cancelled() and streamer.exception() is not None:
+            raise streamer.exception()  # type: ignore[misc]
+
+
+AnyResponse = Response | StreamingResponse
+Handler = Callable[[Request], Awaitable[AnyResponse]]
+
+
+class App:
+    """Exact (method, path) routes plus `prefix{param}` routes; 404/405 as JSON errors."""
+
+    def __init__(self, lifespan: Callable[[], AbstractAsyncContextManager[None]]) -> None:
+        self._exact: dict[tuple[str, str], Handler] = {}
+        self._prefixed: list[tuple[str, str, str, Handler]] = []  # method, prefix, param name, handler
+        self._paths: set[str] = set()
+        self._lifespan = lifespan
+
+    def route(self, method: str, path: str, handler: Handler) -> None:
+        if "{" in path:
+            prefix, _, rest = path.partition("{")
+            self._prefixed.append((method, prefix, rest.rstrip("}"), handler))
+        else:
+            self._exact[(method, path)] = handler
+            self._paths.add(path)
+
+    def _resolve(self, method: str, path: str) -> tuple[Handler | None, dict[str, str], bool]:
+        handler = self._exact.get((method, path))
+        if handler is not None:
+            return handler, {}, True
+        known = path in self._paths
+        for m, prefix, name, h in self._prefixed:
+            if path.startswith(prefix) and "/" not in path[len(prefix) :] and len(path) > len(prefix):
+                if m == method:
+                    return h, {name: path[len(prefix) :]}, True
+                known = True
+        return None, {}, known
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            handler, params, known = self._resolve(scope["method"], scope["path"])
+            request = Request(scope, receive, params)
+            if handler is None:
+                status = 405 if known else 404
+                error = "method not allowed" if known else "not found"
+                response: AnyResponse = json_response(
+                    {
+                        "error": {
+                            "message": f"{error}: {scope['method']} {scope['path']}",
+                            "type": "invalid_request_error",
+                            "param": None,
+                            "code": error.replace(" ", "_"),
+                        }
+                    },
+                    status,
+                )
+            else:
+                response = await handler(request)
+            await response(request, send)
+        elif kind == "lifespan":
+            await self._run_lifespan(receive, send)
+
+    async def _run_lifespan(self, receive: Receive, send: Send) -> None:
+        await receive()  # lifespan.startup
+        context = self._lifespan()
+        try:
+            await context.__aenter__()
+        except BaseException as e:
+            logger.exception("start-up failed")
+            await send({"type": "lifespan.startup.failed", "message": str(e)})
+            return
+        await send({"type": "lifespan.startup.complete"})
+        await receive()  # lifespan.shutdown
+        await context.__aexit__(None, None, None)
+        await send({"type": "lifespan.shutdown.complete"})
