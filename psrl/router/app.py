@@ -160,9 +160,8 @@ class RouterApp:
                 ).to_response()
             finally:
                 request_id_var.reset(token)
-            self.metrics.requests.labels(route, str(response.status_code)).inc()
-            if not isinstance(response, StreamingResponse):  # streams observe their own end
-                self.metrics.latency.labels(route).observe(time.perf_counter() - start)
+            streaming = isinstance(response, StreamingResponse)  # streams observe their own end
+            self.metrics.request_done(route, response.status_code, None if streaming else time.perf_counter() - start)
             return response
 
         return endpoint
@@ -317,7 +316,7 @@ class RouterApp:
             if not instances and self.registry.instances_of(model):
                 raise BadRequest(f"model {model!r} is served only by HTTP workers; this endpoint needs gRPC workers")
         selection = await self.selector.select(instances, meta, request)
-        self.metrics.selections.labels(selection.stage, "chosen" if selection.instance else "none").inc()
+        self.metrics.selected(selection.stage, selection.instance is not None)
         if selection.instance is None:
             raise WorkerUnavailable(selection.reason)
         return self.selector.commit(selection.instance, meta, request)
@@ -356,12 +355,12 @@ class RouterApp:
             try:
                 async for event in events:
                     if first:
-                        self.metrics.ttft.labels(route).observe(time.perf_counter() - start)
+                        self.metrics.first_token(route, time.perf_counter() - start)
                         first = False
                     yield event
             finally:
                 self._finish(ticket, call.error)
-                self.metrics.latency.labels(route).observe(time.perf_counter() - start)
+                self.metrics.stream_done(route, time.perf_counter() - start)
 
         return StreamingResponse(body(), media_type="text/event-stream", headers=_instance_headers(ticket))
 
@@ -566,6 +565,8 @@ class RouterApp:
 
 async def _gather_or_raise(coros: list) -> list:
     """Run a batch concurrently; the first failure cancels the rest and is raised."""
+    if len(coros) == 1:  # the common case: no task to create
+        return [await coros[0]]
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         return await asyncio.gather(*tasks)

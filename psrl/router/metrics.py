@@ -4,6 +4,7 @@ from the registry only when /metrics is scraped (no per-request cost)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -88,6 +89,30 @@ class RouterMetrics:
         )
         self.queue_length = Gauge("psrl_router_queue_length", "requests waiting to be routed", registry=self.registry)
         self.registry.register(_InstanceCollector(workers))
+
+        self._children: dict[tuple, Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """labels() takes a lock and builds a key each call: cache the children on the hot path."""
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def request_done(self, route: str, status: int, seconds: float | None) -> None:
+        self._child(self.requests, route, str(status)).inc()
+        if seconds is not None:
+            self._child(self.latency, route).observe(seconds)
+
+    def stream_done(self, route: str, seconds: float) -> None:
+        self._child(self.latency, route).observe(seconds)
+
+    def first_token(self, route: str, seconds: float) -> None:
+        self._child(self.ttft, route).observe(seconds)
+
+    def selected(self, stage: str, chosen: bool) -> None:
+        self._child(self.selections, stage, "chosen" if chosen else "none").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

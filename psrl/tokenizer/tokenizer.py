@@ -6,6 +6,7 @@ GetTokenizer), so the router never needs `transformers` or a model hub.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -20,6 +21,8 @@ from typing import Any
 import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
+
+ENCODE_CACHE_ENTRIES = 1024
 
 
 class TokenizerLoadError(RuntimeError):
@@ -56,6 +59,7 @@ class Tokenizer:
         self.eos_token: str | None = _token_content(config.get("eos_token"))
         self.bos_token: str | None = _token_content(config.get("bos_token"))
         self.pad_token: str | None = _token_content(config.get("pad_token"))
+        self._encode_cached = functools.lru_cache(maxsize=ENCODE_CACHE_ENTRIES)(self._encode_uncached)
 
     # ---- loading -------------------------------------------------------------------------------
 
@@ -114,7 +118,11 @@ class Tokenizer:
         return tuple(ids)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
+        # RL rollouts send each prompt many times (a group of samples per prompt): remember recent encodings.
+        return list(self._encode_cached(text, add_special_tokens))
+
+    def _encode_uncached(self, text: str, add_special_tokens: bool) -> tuple[int, ...]:
+        return tuple(self._hf.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -73,3 +73,10 @@ def test_incremental_decoder_never_splits_characters(tokenizer: Tokenizer) -> No
     pieces = [decoder.push([i]) for i in ids]
     assert "".join(pieces) + decoder.flush() == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+def test_encode_cache_returns_fresh_lists(tokenizer: Tokenizer) -> None:
+    first = tokenizer.encode("the same prompt, many samples")
+    first.append(-1)  # callers may mutate what they get
+    again = tokenizer.encode("the same prompt, many samples")
+    assert -1 not in again and again == first[:-1]

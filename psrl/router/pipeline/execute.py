@@ -107,7 +107,9 @@ class WorkerCall:
         self._first = await self._read()
 
     def cancel(self) -> None:
-        self._call.cancel()
+        """Stop the RPC if it is still running (the replica then aborts the request); free when it ended."""
+        if not self._call.done():
+            self._call.cancel()
 
     async def deltas(self) -> AsyncIterator[Delta]:
         frame = self._first if self._frames else await self._read()
@@ -135,6 +137,7 @@ class WorkerCall:
                     lps, top = _logprobs_of(c.output_logprobs, self._want_top)
                     self._extend(list(c.output_ids), lps, top)
                     yield Delta(list(c.output_ids), lps, top)
+                await self._finish_rpc()
                 return
             frame = await self._read()
         if res.finish_reason is None:
@@ -142,6 +145,13 @@ class WorkerCall:
                 f"worker {self.instance.id.base_worker_id} closed the stream without a complete frame"
             )
             raise self.error
+
+    async def _finish_rpc(self) -> None:
+        """Read the trailing status after the complete frame: a finished RPC needs no cancel (cheaper)."""
+        try:
+            await self._call.read()
+        except grpc.aio.AioRpcError:
+            pass  # the answer is complete; a transport error after it changes nothing
 
     def _extend(self, ids: list[int], lps: list[float] | None, top) -> None:
         res = self.result

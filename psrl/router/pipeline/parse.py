@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import json
 import math
 from dataclasses import dataclass, field
@@ -102,10 +103,15 @@ def get_str(body: dict[str, Any], name: str, default: str | None) -> str | None:
 
 
 def get_token_ids(value: Any, name: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    """Validated in C: array('I') refuses non-integers and anything outside [0, 2**32)."""
+    if not isinstance(value, list):
         raise BadRequest(f"'{name}' must be a list of integer token ids", param=name)
-    if any(t < 0 for t in value):
-        raise BadRequest(f"'{name}' holds a negative token id", param=name)
+    try:
+        array.array("I", value)
+    except TypeError:
+        raise BadRequest(f"'{name}' must be a list of integer token ids", param=name) from None
+    except OverflowError:
+        raise BadRequest(f"'{name}' holds a negative or too large token id", param=name) from None
     return value
 
 
