@@ -30,6 +30,7 @@ class GatewayConfig:
     tokenizer_path: str | None = None
     api_key: str | None = None
     admin_api_key: str | None = None
+    router_args: list[str] = field(default_factory=list)  # extra `python -m psrl.router` flags, passed as given
     # The embedded default, used only when worker_urls is empty.
     embedded_model: str | None = None  # a model folder; default: the tiny one built locally
     embedded_dp_sizes: list[int] = field(default_factory=lambda: [1, 2])
@@ -87,7 +88,7 @@ class RolloutGateway:
         ):
             if value:
                 args += [flag, value]
-        self._router = spawn_module("psrl.router", args, log_file=self._log("router"))
+        self._router = spawn_module("psrl.router", [*args, *cfg.router_args], log_file=self._log("router"))
         try:
             self._wait_router()
             if self.embedded:
@@ -211,6 +212,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--embedded-model")
     p.add_argument("--embedded-dp-sizes", type=int, nargs="+")
     p.add_argument("--log-dir")
+    p.add_argument("--router-args", nargs=argparse.REMAINDER, help="everything after it goes to the router")
     ns = vars(p.parse_args(argv))
     config_path = ns.pop("config")
     cfg = GatewayConfig.from_yaml(config_path) if config_path else GatewayConfig()

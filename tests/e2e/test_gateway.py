@@ -58,13 +58,18 @@ def _start_gateway(tmp_path: Path) -> tuple[subprocess.Popen, str]:
     assert proc.stdout is not None
     out = ""
     deadline = time.monotonic() + 180
-    while "Ctrl-C stops" not in out:
-        assert proc.poll() is None, out
-        assert time.monotonic() < deadline, out
-        if select.select([proc.stdout], [], [], 0.5)[0]:
-            out += os.read(proc.stdout.fileno(), 65536).decode(errors="replace")
-    match = re.search(r"router\s+(http://127\.0\.0\.1:\d+)", out)
-    assert match, out
+    try:
+        while "Ctrl-C stops" not in out:
+            assert proc.poll() is None, out
+            assert time.monotonic() < deadline, out
+            if select.select([proc.stdout], [], [], 0.5)[0]:
+                out += os.read(proc.stdout.fileno(), 65536).decode(errors="replace")
+        match = re.search(r"router\s+(http://127\.0\.0\.1:\d+)", out)
+        assert match, out
+    except BaseException:
+        proc.send_signal(signal.SIGTERM)  # never leave a gateway (and its children) behind
+        proc.wait(30)
+        raise
     return proc, match.group(1)
 
 
