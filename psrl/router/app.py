@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -17,30 +18,30 @@ from psrl.router import coordinator_api
 from psrl.router.asgi import AnyResponse, App, Request, Response, StreamingResponse, json_response
 from psrl.router.background import BackgroundLoops
 from psrl.router.config import RouterConfig
+from psrl.router.dispatch import Dispatcher, Rollout
 from psrl.router.errors import (
     BadRequest,
     NotFound,
     RouterError,
     Unauthorized,
     WorkerInternalError,
-    WorkerStreamFailed,
-    WorkerTimeout,
     WorkerUnavailable,
 )
 from psrl.router.http_backend import HttpWorkers
 from psrl.router.logs import request_id_var
-from psrl.router.metadata import RoutingMeta, parse_routing_meta
+from psrl.router.metadata import parse_routing_meta
 from psrl.router.metrics import RouterMetrics
 from psrl.router.pipeline import parse as P
 from psrl.router.pipeline import respond as R
 from psrl.router.pipeline.context import Generation, GenerationInput
-from psrl.router.pipeline.execute import Delta, WorkerCall
-from psrl.router.pipeline.prepare import chat_prompt_ids, check_prompt, new_request_id, text_prompt_ids
+from psrl.router.pipeline.execute import Delta
+from psrl.router.pipeline.prepare import chat_prompt_ids, new_request_id, text_prompt_ids
 from psrl.router.pipeline.select import resolve_model
 from psrl.router.pipeline.stream import sse_stream
 from psrl.router.policies import KvEventIndex, SelectionRequest, make_policy
 from psrl.router.registry import Worker, WorkerRegistry
-from psrl.router.selector import Selector, Ticket
+from psrl.router.routing_loop import RoutingLoop
+from psrl.router.selector import AdmissionHook, PassThroughAdmission, Selector, Ticket
 from psrl.router.tokenizers import TokenizerStore
 from psrl.router.worker_client import WorkerClients
 from psrl.tokenizer import IncrementalDecoder, Tokenizer
@@ -48,8 +49,6 @@ from psrl.tokenizer import IncrementalDecoder, Tokenizer
 logger = logging.getLogger("psrl.router")
 
 _JSON = "application/json"
-# Failures of the instance itself (they count against its circuit breaker); client errors do not.
-_WORKER_FAULTS = (WorkerUnavailable, WorkerStreamFailed, WorkerTimeout, WorkerInternalError)
 
 Handler = Callable[[Request], Awaitable[Response | StreamingResponse]]
 
@@ -75,12 +74,32 @@ class RouterApp:
         self.registry = WorkerRegistry(config.health, config.breaker)
         self.clients = WorkerClients()
         self.http = HttpWorkers(config.connect_timeout_s, config.request_timeout_s)
+        self.metrics = RouterMetrics(self.registry)
         self.policy = make_policy(config.policy, config.cache_aware)
         index = getattr(self.policy, "index", None)
         self.kv_index: KvEventIndex | None = index if config.enable_kv_events else None
-        self.selector = Selector(config.selector, self.policy)
+        self.admission: AdmissionHook = PassThroughAdmission()
+        self.selector = Selector(config.selector, self.policy, self.admission)
+        self.loop: RoutingLoop | None = None
+        if config.routing_loop.enable_routing_loop:
+            self.loop = RoutingLoop(
+                config.routing_loop,
+                self.selector,
+                on_commit=self._on_loop_commit,
+                on_queue_length=self.metrics_queue_length,
+            )
         self.tokenizers = TokenizerStore(self.registry, self.clients, config.tokenizer_path)
-        self.metrics = RouterMetrics(self.registry)
+        self.dispatcher = Dispatcher(
+            self.registry,
+            self.selector,
+            self.admission,
+            self.loop,
+            self.clients,
+            self.metrics,
+            request_timeout_s=config.request_timeout_s,
+            partial_rollout=config.enable_partial_rollout,
+            max_iterations=config.max_rollout_iterations,
+        )
         self.background = BackgroundLoops(
             self.registry,
             self.clients,
@@ -105,6 +124,10 @@ class RouterApp:
             ("/workers/pause", "POST", self.pause_workers, admin),
             ("/workers/resume", "POST", self.resume_workers, admin),
             ("/workers/{worker_id}", "DELETE", self.remove_worker, admin),
+            ("/routing_loop/pause", "POST", self.pause_loop, admin),
+            ("/routing_loop/resume", "POST", self.resume_loop, admin),
+            ("/routing_loop/status", "GET", self.loop_status, admin),
+            ("/routing_loop/filter", "GET", self.loop_filter, admin),
             ("/v1/chat/completions", "POST", self.chat_completions, data),
             ("/v1/completions", "POST", self.completions, data),
             ("/generate", "POST", self.generate, data),
@@ -118,6 +141,8 @@ class RouterApp:
     @contextlib.asynccontextmanager
     async def _lifespan(self) -> AsyncIterator[None]:
         self.background.start()
+        if self.loop is not None:
+            self.loop.start()
         for url in self.config.worker_urls:
             self._startup.append(asyncio.create_task(self._register_from_cli(url)))
         try:
@@ -127,6 +152,8 @@ class RouterApp:
                 task.cancel()
             await asyncio.gather(*self._startup, return_exceptions=True)
             await self.background.stop()
+            if self.loop is not None:
+                await self.loop.stop()
             await self.clients.close()
             await self.http.close()
 
@@ -231,6 +258,59 @@ class RouterApp:
     async def resume_workers(self, request: Request) -> AnyResponse:
         return _json(coordinator_api.set_paused(self.registry, await self._coordinator_body(request), False))
 
+    # ---- the routing loop -----------------------------------------------------------------------------
+
+    def metrics_queue_length(self, n: int) -> None:
+        self.metrics.queue_length.set(n)
+
+    async def _on_loop_commit(self, ticket: Ticket) -> None:
+        if ticket.meta.has_psrl:
+            await self.admission.on_commit(ticket.instance, ticket.meta, ticket.pinned_version)
+
+    def _loop_status(self) -> dict[str, Any]:
+        if self.loop is None:
+            return {
+                "enabled": False,
+                "paused": False,
+                "routing": False,
+                "selecting": False,
+                "routing_epoch": 0,
+                "active_dispatch_handoffs": 0,
+                "queue_len": 0,
+                "pending_request_num": 0,
+                "running_tasks": 0,
+                "running_request_num": 0,
+                "max_running_dispatch_tasks": 0,
+                "queue_keys": [],
+                "partition_queue_lens": {},
+            }
+        return self.loop.status()
+
+    def _query(self, request: Request) -> dict[str, str]:
+        return {k: v[-1] for k, v in urllib.parse.parse_qs(request.query.decode("latin-1")).items()}
+
+    async def pause_loop(self, request: Request) -> AnyResponse:
+        wait = self._query(request).get("wait", "false").lower() in ("1", "true", "yes")
+        if self.loop is not None:
+            await self.loop.pause(wait)
+        return _json(self._loop_status())
+
+    async def resume_loop(self, request: Request) -> AnyResponse:
+        if self.loop is not None:
+            self.loop.resume()
+        return _json(self._loop_status())
+
+    async def loop_status(self, request: Request) -> AnyResponse:
+        return _json(self._loop_status())
+
+    async def loop_filter(self, request: Request) -> AnyResponse:
+        raw = self._query(request).get("version_tag")
+        try:
+            version = int(raw) if raw is not None else -1
+        except ValueError:
+            raise BadRequest(f"version_tag must be an integer, got {raw!r}", param="version_tag") from None
+        return _json(self.loop.queued(version) if self.loop is not None else [])
+
     async def _register(self, body: dict[str, Any]) -> Worker:
         url = P.get_str(body, "url", None)
         if not url:
@@ -307,47 +387,7 @@ class RouterApp:
 
     # ---- selection and dispatch ------------------------------------------------------------------------
 
-    async def _select(
-        self, model: str, meta: RoutingMeta, request: SelectionRequest, *, grpc_only: bool = False
-    ) -> Ticket:
-        instances = self.registry.instances_of(model)
-        if grpc_only:
-            instances = [i for i in instances if i.worker.connection_mode == "grpc"]
-            if not instances and self.registry.instances_of(model):
-                raise BadRequest(f"model {model!r} is served only by HTTP workers; this endpoint needs gRPC workers")
-        selection = await self.selector.select(instances, meta, request)
-        self.metrics.selected(selection.stage, selection.instance is not None)
-        if selection.instance is None:
-            raise WorkerUnavailable(selection.reason)
-        return self.selector.commit(selection.instance, meta, request)
-
-    def _finish(self, ticket: Ticket, error: RouterError | None) -> None:
-        """Release the ticket exactly once, judging the instance by how the request ended."""
-        self.selector.release(ticket, success=not isinstance(error, _WORKER_FAULTS))
-        if isinstance(error, WorkerUnavailable):
-            # Out of rotation at once; the health loop brings it back when it answers again.
-            ticket.instance.worker.health.mark_down()
-
-    async def _start_call(self, ticket: Ticket, gen: GenerationInput) -> WorkerCall:
-        call = WorkerCall(self.clients, ticket.instance, gen, self.config.request_timeout_s)
-        try:
-            await call.start()
-        except RouterError as e:
-            call.cancel()
-            self._finish(ticket, e)
-            raise
-        return call
-
-    async def _generate_once(self, ticket: Ticket, gen: GenerationInput) -> Generation:
-        call = await self._start_call(ticket, gen)
-        try:
-            result = await call.collect()
-        finally:
-            call.cancel()  # no-op after a clean end; frees the replica if this handler was cancelled
-            self._finish(ticket, call.error)
-        return result
-
-    def _stream(self, route: str, ticket: Ticket, call: WorkerCall, events: AsyncIterator[bytes]) -> StreamingResponse:
+    def _stream(self, route: str, ticket: Ticket, events: AsyncIterator[bytes]) -> StreamingResponse:
         start = time.perf_counter()
 
         async def body() -> AsyncIterator[bytes]:
@@ -359,7 +399,6 @@ class RouterApp:
                         first = False
                     yield event
             finally:
-                self._finish(ticket, call.error)
                 self.metrics.stream_done(route, time.perf_counter() - start)
 
         return StreamingResponse(body(), media_type="text/event-stream", headers=_instance_headers(ticket))
@@ -377,13 +416,13 @@ class RouterApp:
                 error = e
                 raise
             finally:
-                self._finish(ticket, error)
+                self.dispatcher.finish(ticket, error)
             ctype = up.headers.get("content-type", _JSON)
             return Response(up.body, status_code=up.status, media_type=ctype, headers=_instance_headers(ticket))
         try:
             head, chunks = await self.http.stream(worker, route, raw, request.headers)
         except RouterError as e:
-            self._finish(ticket, e)
+            self.dispatcher.finish(ticket, e)
             raise
 
         async def relay() -> AsyncIterator[bytes]:
@@ -396,7 +435,7 @@ class RouterApp:
                 yield R.sse(e.body())
                 yield R.SSE_DONE
             finally:
-                self._finish(ticket, error)
+                self.dispatcher.finish(ticket, error)
 
         ctype = head.headers.get("content-type", "text/event-stream")
         return StreamingResponse(relay(), status_code=head.status, media_type=ctype, headers=_instance_headers(ticket))
@@ -414,28 +453,19 @@ class RouterApp:
         model = resolve_model(self.registry, chat.model)
         rid = new_request_id("chatcmpl")
         text = "".join(m["content"] for m in chat.messages)
-        tok: Tokenizer | None = None
-        prompt: list[int] = []
-        if self._needs_tokens(model):
-            tok = await self.tokenizers.get(model)
-            prompt = await chat_prompt_ids(chat, tok)
-        ticket = await self._select(model, meta, SelectionRequest(rid, model, prompt, text, meta.routing_key))
-        if ticket.instance.worker.connection_mode == "http":
+        if not self._needs_tokens(model):
+            ticket = await self.dispatcher.acquire(
+                model, meta, SelectionRequest(rid, model, (), text, meta.routing_key)
+            )
             return await self._proxy("/v1/chat/completions", ticket, raw, request, chat.stream)
-        assert tok is not None
-        try:
-            check_prompt(prompt, chat.sampling, ticket.instance.worker.max_context_length, 0)
-        except RouterError:
-            self._finish(ticket, None)
-            raise
-        gen_input = GenerationInput(rid, model, prompt, chat.sampling, chat.stream)
+        tok = await self.tokenizers.get(model)
+        prompt = await chat_prompt_ids(chat, tok)
+        rollout = Rollout(self.dispatcher, model, meta, GenerationInput(rid, model, prompt, chat.sampling, chat.stream))
+        ticket = await rollout.start()
         created = int(time.time())
         if chat.stream:
-            call = await self._start_call(ticket, gen_input)
-            return self._stream(
-                "/v1/chat/completions", ticket, call, self._chat_sse(call, tok, chat, rid, created, model)
-            )
-        gen = await self._generate_once(ticket, gen_input)
+            return self._stream("/v1/chat/completions", ticket, self._chat_sse(rollout, tok, chat, rid, created, model))
+        gen = await rollout.collect()
         out_text = tok.decode(gen.output_ids, skip_special_tokens=chat.sampling.skip_special_tokens)
         logprobs = R.chat_logprobs(tok, gen.output_ids, gen.logprobs, gen.top_logprobs) if chat.logprobs else None
         body_out = R.chat_completion(
@@ -444,7 +474,7 @@ class RouterApp:
         return _json(body_out, headers=_instance_headers(ticket))
 
     def _chat_sse(
-        self, call: WorkerCall, tok: Tokenizer, chat: P.ChatRequest, rid: str, created: int, model: str
+        self, source: Rollout, tok: Tokenizer, chat: P.ChatRequest, rid: str, created: int, model: str
     ) -> AsyncIterator[bytes]:
         def choice(text: str, d: Delta | None, finish: str | None) -> dict[str, Any] | None:
             lps = R.chat_logprobs(tok, d.token_ids, d.logprobs, d.top_logprobs) if d and chat.logprobs else None
@@ -457,7 +487,7 @@ class RouterApp:
         opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         decoder = IncrementalDecoder(tok, chat.sampling.skip_special_tokens)
         return sse_stream(
-            call, decoder, envelope=envelope, choice=choice, opening=opening, include_usage=chat.include_usage
+            source, decoder, envelope=envelope, choice=choice, opening=opening, include_usage=chat.include_usage
         )
 
     async def completions(self, request: Request) -> AnyResponse:
@@ -468,36 +498,24 @@ class RouterApp:
         model = resolve_model(self.registry, req.model)
         rid = new_request_id("cmpl")
         created = int(time.time())
-        text = req.prompts[0] if isinstance(req.prompts[0], str) else None
         if not self._needs_tokens(model):
-            ticket = await self._select(model, meta, SelectionRequest(rid, model, (), text, meta.routing_key))
+            text = req.prompts[0] if isinstance(req.prompts[0], str) else None
+            ticket = await self.dispatcher.acquire(
+                model, meta, SelectionRequest(rid, model, (), text, meta.routing_key)
+            )
             return await self._proxy("/v1/completions", ticket, raw, request, req.stream)
         tok = await self.tokenizers.get(model)
         prompts = [await text_prompt_ids(p, tok) for p in req.prompts]
-
-        async def place(sub_id: str, prompt: list[int]) -> Ticket:
-            ticket = await self._select(
-                model, meta, SelectionRequest(sub_id, model, prompt, None, meta.routing_key), grpc_only=True
-            )
-            try:
-                check_prompt(prompt, req.sampling, ticket.instance.worker.max_context_length, 0)
-            except RouterError:
-                self._finish(ticket, None)
-                raise
-            return ticket
-
         if req.stream:
-            ticket = await place(rid, prompts[0])
-            call = await self._start_call(ticket, GenerationInput(rid, model, prompts[0], req.sampling, True))
-            events = self._completion_sse(call, tok, req, rid, created, model)
-            return self._stream("/v1/completions", ticket, call, events)
+            rollout = Rollout(self.dispatcher, model, meta, GenerationInput(rid, model, prompts[0], req.sampling, True))
+            ticket = await rollout.start()
+            return self._stream("/v1/completions", ticket, self._completion_sse(rollout, tok, req, rid, created, model))
 
         async def one(index: int, prompt: list[int]) -> tuple[Ticket, Generation]:
             sub_id = rid if len(prompts) == 1 else f"{rid}-{index}"
-            ticket = await place(sub_id, prompt)
-            return ticket, await self._generate_once(
-                ticket, GenerationInput(sub_id, model, prompt, req.sampling, False)
-            )
+            rollout = Rollout(self.dispatcher, model, meta, GenerationInput(sub_id, model, prompt, req.sampling, False))
+            ticket = await rollout.start()
+            return ticket, await rollout.collect()
 
         results = await _gather_or_raise([one(i, p) for i, p in enumerate(prompts)])
         choices = []
@@ -511,7 +529,7 @@ class RouterApp:
         return _json(body_out, headers=_instance_headers(results[0][0]))
 
     def _completion_sse(
-        self, call: WorkerCall, tok: Tokenizer, req: P.CompletionRequest, rid: str, created: int, model: str
+        self, source: Rollout, tok: Tokenizer, req: P.CompletionRequest, rid: str, created: int, model: str
     ) -> AsyncIterator[bytes]:
         def choice(text: str, d: Delta | None, finish: str | None) -> dict[str, Any] | None:
             lps = R.completion_logprobs(tok, d.token_ids, d.logprobs, d.top_logprobs) if d else None
@@ -521,7 +539,7 @@ class RouterApp:
 
         envelope = {"id": rid, "object": "text_completion", "created": created, "model": model}
         decoder = IncrementalDecoder(tok, req.sampling.skip_special_tokens)
-        return sse_stream(call, decoder, envelope=envelope, choice=choice, include_usage=req.include_usage)
+        return sse_stream(source, decoder, envelope=envelope, choice=choice, include_usage=req.include_usage)
 
     async def generate(self, request: Request) -> AnyResponse:
         body = await self._body(request)
@@ -537,26 +555,21 @@ class RouterApp:
             ids = await text_prompt_ids(prompt, tok) if isinstance(prompt, str) and tok else prompt
             assert isinstance(ids, list)
             rid = rid or new_request_id("gen")
-            ticket = await self._select(
-                model, meta, SelectionRequest(rid, model, ids, None, meta.routing_key), grpc_only=True
-            )
-            try:
-                check_prompt(ids, req.sampling, ticket.instance.worker.max_context_length, 0)
-            except RouterError:
-                self._finish(ticket, None)
-                raise
-            gen = await self._generate_once(ticket, GenerationInput(rid, model, ids, req.sampling, False))
+            rollout = Rollout(self.dispatcher, model, meta, GenerationInput(rid, model, ids, req.sampling, False))
+            ticket = await rollout.start()
+            gen = await rollout.collect()
             text = tok.decode(gen.output_ids, req.sampling.skip_special_tokens) if detokenize and tok else None
             out = R.generate_output(
                 request_id=rid,
                 gen=gen,
-                weight_version=ticket.instance.weight_version,
+                weight_version=rollout.ticket.instance.weight_version if rollout.ticket else 0,
                 prompt_ids=ids,
                 return_logprob=req.return_logprob,
                 return_prompt_token_ids=req.return_prompt_token_ids,
                 text=text,
+                token_versions=rollout.state.token_versions,
             )
-            return ticket, out
+            return rollout.ticket or ticket, out
 
         results = await _gather_or_raise([one(p, r) for p, r in zip(req.prompts, req.request_ids)])
         payload: Any = [o for _, o in results] if req.batched else results[0][1]

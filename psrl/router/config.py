@@ -13,6 +13,7 @@ import yaml
 
 from psrl.router.health import BreakerConfig, HealthConfig
 from psrl.router.policies.cache_aware import CacheAwareConfig
+from psrl.router.routing_loop import RoutingLoopConfig
 from psrl.router.selector import SelectorConfig
 
 POLICIES = ("round_robin", "random", "power_of_two", "least_load", "consistent_hash", "cache_aware", "cache_aware_v1")
@@ -38,10 +39,15 @@ class RouterConfig:
     max_payload_bytes: int = 64 << 20
     log_level: str = "info"
     log_format: str = "text"
+    enable_partial_rollout: bool = True  # loop a sync-aborted request back with what it produced
+    max_rollout_iterations: int = 64  # a request aborted this many times in a row fails (500)
+    psrl_ps_manager_addr: str = ""  # host:port of the PSManager; "" disables selection stage 4
+    psmanager_rpc_timeout_s: float = 5.0
     health: HealthConfig = field(default_factory=HealthConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     selector: SelectorConfig = field(default_factory=SelectorConfig)
     cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
+    routing_loop: RoutingLoopConfig = field(default_factory=RoutingLoopConfig)
 
     def validate(self) -> None:
         self.policy = POLICY_ALIASES.get(self.policy, self.policy)
@@ -59,6 +65,9 @@ class RouterConfig:
         self.breaker.validate()
         self.selector.validate()
         self.cache_aware.validate()
+        self.routing_loop.validate()
+        if self.max_rollout_iterations < 1 or self.psmanager_rpc_timeout_s <= 0:
+            raise ValueError("max_rollout_iterations must be >= 1 and psmanager_rpc_timeout_s positive")
 
 
 def _build(cls: type, data: dict[str, Any], where: str) -> Any:
@@ -104,7 +113,9 @@ _SECTIONS = {
     "breaker": BreakerConfig,
     "selector": SelectorConfig,
     "cache_aware": CacheAwareConfig,
+    "routing_loop": RoutingLoopConfig,
 }
+_FLAT_SECTIONS = ("selector", "cache_aware", "routing_loop")  # PSRL-style flat flags, e.g. --cache-threshold
 
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:
@@ -128,16 +139,20 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--load-poll-interval-s", type=float)
     p.add_argument("--enable-kv-events", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--max-payload-bytes", type=int)
+    p.add_argument("--enable-partial-rollout", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--max-rollout-iterations", type=int)
+    p.add_argument("--psrl-ps-manager-addr", help="PSManager host:port; empty disables selection stage 4")
+    p.add_argument("--psmanager-rpc-timeout-s", type=float)
     p.add_argument("--log-level")
     p.add_argument("--log-format", choices=("text", "json"))
     # Flat PSRL-style names for the common sections, e.g. --worker-selection-strategy, --cache-threshold.
     for section, cls in _SECTIONS.items():
-        _add_dataclass_flags(p, cls, "" if section in ("selector", "cache_aware") else f"{section}-")
+        _add_dataclass_flags(p, cls, "" if section in _FLAT_SECTIONS else f"{section}-")
     ns = vars(p.parse_args(argv))
     config_path = ns.pop("config")
     cfg = load_yaml(config_path) if config_path else d
     for section, cls in _SECTIONS.items():
-        prefix = "" if section in ("selector", "cache_aware") else f"{section}_"
+        prefix = "" if section in _FLAT_SECTIONS else f"{section}_"
         sub = getattr(cfg, section)
         for f in dataclasses.fields(cls):
             value = ns.pop(f"{prefix}{f.name}", None)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -45,7 +45,7 @@ class SelectorConfig:
 
 
 class AdmissionHook(Protocol):
-    """Stage 4's seam. The PSManager implements it; the default admits everything."""
+    """Stage 4's seam and the commit/dispatch checks. The PSManager implements it; the default admits all."""
 
     async def admit(self, candidates: Sequence[InstanceState], meta: RoutingMeta) -> list[InstanceState]:
         """The candidates whose version can admit/reserve this request."""
@@ -55,6 +55,14 @@ class AdmissionHook(Protocol):
         """Reserve-capability indicator per candidate (lower is better), or None when unknown."""
         ...
 
+    async def on_commit(self, instance: InstanceState, meta: RoutingMeta, pinned_version: int) -> None:
+        """Record the placement (reserve it, or move a hinted request to its new instance)."""
+        ...
+
+    async def is_aborted(self, meta: RoutingMeta) -> bool:
+        """Checked right before dispatch: an aborted request is answered 400 request_aborted."""
+        ...
+
 
 class PassThroughAdmission:
     async def admit(self, candidates: Sequence[InstanceState], meta: RoutingMeta) -> list[InstanceState]:
@@ -62,6 +70,12 @@ class PassThroughAdmission:
 
     async def indicators(self, candidates: Sequence[InstanceState], meta: RoutingMeta) -> list[float] | None:
         return None
+
+    async def on_commit(self, instance: InstanceState, meta: RoutingMeta, pinned_version: int) -> None:
+        return None
+
+    async def is_aborted(self, meta: RoutingMeta) -> bool:
+        return False
 
 
 # ---- the stages (pure) -----------------------------------------------------------------------------------
@@ -163,6 +177,9 @@ class Ticket:
     meta: RoutingMeta
     pinned_version: int
     group_acquired: bool
+    # Set when the routing loop handed this off: release it once the Generate is on the wire.
+    release_handoff: Callable[[], None] | None = None
+    routed: bool = False
 
 
 class Selector:

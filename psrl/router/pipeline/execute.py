@@ -103,6 +103,14 @@ class WorkerCall:
             return False
         return any(key == ACCEPTED_METADATA_KEY for key, _ in metadata or ())
 
+    async def wait_sent(self) -> None:
+        """Return once the Generate is on the wire (the routing loop's hand-off ends here)."""
+        try:
+            await self._call.wait_for_connection()
+        except grpc.aio.AioRpcError as e:
+            self.error = map_rpc_error(e, started=False, instance=self.instance)
+            raise self.error from e
+
     async def start(self) -> None:
         self._first = await self._read()
 

@@ -143,6 +143,7 @@ def generate_output(
     return_logprob: bool,
     return_prompt_token_ids: bool,
     text: str | None,
+    token_versions: list[int],
 ) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": request_id,
@@ -151,6 +152,9 @@ def generate_output(
         "completion_tokens": gen.completion_tokens,
         "cached_tokens": gen.cached_tokens,
         "weight_version": weight_version,
+        # Beyond SGLang's shape: the weight version that produced each output token (partial rollout can
+        # span versions), for per-token staleness correction.
+        "output_token_versions": token_versions,
     }
     if return_logprob:
         lps = gen.logprobs or []

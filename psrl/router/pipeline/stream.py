@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from psrl.router.errors import RouterError
 from psrl.router.pipeline import respond as R
-from psrl.router.pipeline.execute import Delta, WorkerCall
+from psrl.router.pipeline.context import Generation
+from psrl.router.pipeline.execute import Delta
 from psrl.tokenizer import IncrementalDecoder
 
 logger = logging.getLogger(__name__)
@@ -21,8 +22,17 @@ logger = logging.getLogger(__name__)
 ChoiceFn = Callable[[str, Delta | None, str | None], dict[str, Any] | None]
 
 
+class DeltaSource(Protocol):
+    """A started generation: its token deltas (which clean up after themselves) and, after them, the result."""
+
+    def deltas(self) -> AsyncIterator[Delta]: ...
+
+    @property
+    def result(self) -> Generation: ...
+
+
 async def sse_stream(
-    call: WorkerCall,
+    source: DeltaSource,
     decoder: IncrementalDecoder,
     *,
     envelope: dict[str, Any],
@@ -36,18 +46,17 @@ async def sse_stream(
     try:
         if opening is not None:
             yield event(opening)
-        async for d in call.deltas():
+        async for d in source.deltas():
             ch = choice(decoder.push(d.token_ids), d, None)
             if ch is not None:
                 yield event(ch)
-        closing = choice(decoder.flush(), None, call.result.finish_reason)
+        result = source.result
+        closing = choice(decoder.flush(), None, result.finish_reason)
         assert closing is not None
         yield event(closing)
         if include_usage:
-            yield R.sse({**envelope, "choices": [], "usage": R.usage(call.result)})
+            yield R.sse({**envelope, "choices": [], "usage": R.usage(result)})
     except RouterError as e:  # headers are sent: the error travels as an SSE event
         logger.warning("stream %s failed: %s", envelope.get("id"), e.message)
         yield R.sse(e.body())
-    finally:
-        call.cancel()
     yield R.SSE_DONE

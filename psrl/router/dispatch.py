@@ -1,0 +1,217 @@
+"""Dispatch: take an instance (through the routing loop or directly), send the Generate, and run a request's
+iterations, looping it back after a weight-sync abort (partial rollout) until it ends with stop or length."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+from psrl.router.errors import (
+    BadRequest,
+    RouterError,
+    WorkerInternalError,
+    WorkerStreamFailed,
+    WorkerTimeout,
+    WorkerUnavailable,
+)
+from psrl.router.metadata import RoutingMeta
+from psrl.router.metrics import RouterMetrics
+from psrl.router.pipeline.context import Generation, GenerationInput
+from psrl.router.pipeline.execute import Delta, WorkerCall
+from psrl.router.pipeline.partial_rollout import RolloutState, classify
+from psrl.router.pipeline.prepare import check_prompt
+from psrl.router.policies.base import SelectionRequest
+from psrl.router.registry import InstanceState, WorkerRegistry
+from psrl.router.routing_loop import RoutingLoop
+from psrl.router.selector import AdmissionHook, Selector, Ticket
+from psrl.router.worker_client import WorkerClients
+
+logger = logging.getLogger(__name__)
+
+# Failures of the instance itself (they count against its circuit breaker); client errors do not.
+WORKER_FAULTS = (WorkerUnavailable, WorkerStreamFailed, WorkerTimeout, WorkerInternalError)
+
+
+class RequestAborted(BadRequest):
+    code = "request_aborted"
+
+
+class PartialRolloutExhausted(RouterError):
+    status = 500
+    code = "partial_rollout_exhausted"
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        selector: Selector,
+        admission: AdmissionHook,
+        loop: RoutingLoop | None,
+        clients: WorkerClients,
+        metrics: RouterMetrics,
+        *,
+        request_timeout_s: float | None,
+        partial_rollout: bool,
+        max_iterations: int,
+    ) -> None:
+        self.registry = registry
+        self.selector = selector
+        self.admission = admission
+        self.loop = loop
+        self.clients = clients
+        self.metrics = metrics
+        self.request_timeout_s = request_timeout_s
+        self.partial_rollout = partial_rollout
+        self.max_iterations = max_iterations
+
+    def instances(self, model: str, grpc_only: bool) -> list[InstanceState]:
+        instances = self.registry.instances_of(model)
+        return [i for i in instances if i.worker.connection_mode == "grpc"] if grpc_only else instances
+
+    async def acquire(
+        self, model: str, meta: RoutingMeta, request: SelectionRequest, *, grpc_only: bool = False
+    ) -> Ticket:
+        """An instance for one iteration: from the routing loop for PSRL requests, else selected here."""
+        if grpc_only and not self.instances(model, True) and self.registry.instances_of(model):
+            raise BadRequest(f"model {model!r} is served only by HTTP workers; this endpoint needs gRPC workers")
+        if self.loop is not None and meta.has_psrl:
+            return await self.loop.acquire(meta, request, lambda: self.instances(model, grpc_only))
+        selection = await self.selector.select(self.instances(model, grpc_only), meta, request)
+        self.metrics.selected(selection.stage, selection.instance is not None)
+        if selection.instance is None:
+            raise WorkerUnavailable(selection.reason)
+        ticket = self.selector.commit(selection.instance, meta, request)
+        if meta.has_psrl:
+            try:
+                await self.admission.on_commit(ticket.instance, meta, ticket.pinned_version)
+            except Exception as e:
+                self.selector.release(ticket, success=True)
+                raise WorkerUnavailable(f"could not record the placement: {e}") from e
+        return ticket
+
+    def finish(self, ticket: Ticket, error: RouterError | None) -> None:
+        """Release the ticket exactly once, judging the instance by how the request ended."""
+        success = not isinstance(error, WORKER_FAULTS)
+        if ticket.routed:
+            assert self.loop is not None
+            self.loop.finished(ticket, success=success)
+        else:
+            self.selector.release(ticket, success=success)
+        if isinstance(error, WorkerUnavailable):
+            # Out of rotation at once; the health loop brings it back when it answers again.
+            ticket.instance.worker.health.mark_down()
+
+    async def start_call(self, ticket: Ticket, gen: GenerationInput) -> WorkerCall:
+        """Send the Generate (ending the hand-off) and wait for its first frame; on failure the ticket is
+        released and the error raised."""
+        call: WorkerCall | None = None
+        try:
+            if ticket.meta.has_psrl and await self.admission.is_aborted(ticket.meta):
+                raise RequestAborted(f"request {ticket.meta.request_id} was aborted")
+            call = WorkerCall(self.clients, ticket.instance, gen, self.request_timeout_s)
+            if ticket.release_handoff is not None:
+                await call.wait_sent()
+                ticket.release_handoff()
+            await call.start()
+        except RouterError as e:
+            if call is not None:
+                call.cancel()
+            self.finish(ticket, e)
+            raise
+        return call
+
+    async def generate_once(self, ticket: Ticket, gen: GenerationInput) -> Generation:
+        """One call, no loop-back (for requests that cannot loop back)."""
+        call = await self.start_call(ticket, gen)
+        try:
+            return await call.collect()
+        finally:
+            call.cancel()  # no-op after a clean end; frees the replica if this handler was cancelled
+            self.finish(ticket, call.error)
+
+
+class Rollout:
+    """One request's life over its iterations: `start()` places it and waits for the first frame (so errors
+    are HTTP errors), then `deltas()` streams every token, across loop-backs, and `result` is the merged
+    generation. The headers a client gets come from `first_ticket`."""
+
+    def __init__(
+        self, dispatcher: Dispatcher, model: str, meta: RoutingMeta, gen: GenerationInput, text: str | None = None
+    ) -> None:
+        self._d = dispatcher
+        self._model = model
+        self.meta = meta
+        self._text = text
+        self.state = RolloutState(gen)
+        self.first_ticket: Ticket | None = None
+        self.ticket: Ticket | None = None
+        self._call: WorkerCall | None = None
+        self._last: Generation | None = None
+
+    async def _begin(self, gen: GenerationInput) -> WorkerCall:
+        request = SelectionRequest(gen.request_id, self._model, gen.prompt_ids, self._text, self.meta.routing_key)
+        ticket = await self._d.acquire(self._model, self.meta, request, grpc_only=True)
+        try:
+            check_prompt(gen.prompt_ids, gen.sampling, ticket.instance.worker.max_context_length, 0)
+        except RouterError:
+            self._d.finish(ticket, None)
+            raise
+        call = await self._d.start_call(ticket, gen)
+        self.ticket = ticket
+        if self.first_ticket is None:
+            self.first_ticket = ticket
+        return call
+
+    async def start(self) -> Ticket:
+        self._call = await self._begin(self.state.original)
+        assert self.first_ticket is not None
+        return self.first_ticket
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        call = self._call
+        assert call is not None, "start() first"
+        while True:
+            ticket = self.ticket
+            assert ticket is not None
+            try:
+                async for delta in call.deltas():
+                    yield delta
+            finally:
+                call.cancel()
+                self._d.finish(ticket, call.error)
+            segment = call.result
+            self.state.add(segment, ticket.instance.weight_version)
+            verdict = classify(segment, self.state)
+            if verdict == "done" or not self._d.partial_rollout:
+                self._last = segment
+                if segment.finish_reason == "abort" and self.state.remaining_tokens == 0:
+                    self._last = replace(segment, finish_reason="length")
+                return
+            if self.state.iterations >= self._d.max_iterations:
+                raise PartialRolloutExhausted(
+                    f"request aborted {self.state.iterations} times in a row; giving up (max_iterations)"
+                )
+            # Loop back: hint the instance that aborted it (the KV-transfer source), drop a one-shot pin,
+            # and keep the version it was pinned to as its floor.
+            self.meta = replace(
+                self.meta, hint=ticket.instance.id, force_pin_once=False, version_tag=ticket.pinned_version
+            )
+            logger.info(
+                "request %s looped back after %d tokens (iteration %d)",
+                self.state.original.request_id,
+                len(self.state.output_ids),
+                self.state.iterations,
+            )
+            call = await self._begin(self.state.next_input())
+
+    async def collect(self) -> Generation:
+        async for _ in self.deltas():
+            pass
+        return self.result
+
+    @property
+    def result(self) -> Generation:
+        assert self._last is not None
+        return self.state.merged(self._last)

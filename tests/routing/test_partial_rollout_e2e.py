@@ -1,0 +1,144 @@
+"""Routing loop and partial rollout over real processes: the pause barrier, requests waiting for their
+version, and a greedy request interrupted mid-decode on one replica and finished on another with exactly the
+tokens of an uninterrupted run."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+from _procs import start_replica, start_router
+from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+from psrl.gateway.processes import stop_processes
+
+PROMPT = [11, 12, 13, 14, 15, 16, 17]
+
+
+def _wait_for(predicate, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def _running(url: str) -> int:
+    with grpc.insecure_channel(url.removeprefix("grpc://")) as ch:
+        loads = vllm_engine_pb2_grpc.VllmEngineStub(ch).GetLoads(vllm_engine_pb2.GetLoadsRequest(), timeout=5)
+    return sum(entry.num_running_reqs + entry.num_waiting_reqs for entry in loads.loads)
+
+
+def _abort(url: str, rid: str) -> None:
+    with grpc.insecure_channel(url.removeprefix("grpc://")) as ch:
+        vllm_engine_pb2_grpc.VllmEngineStub(ch).Abort(vllm_engine_pb2.AbortRequest(request_ids=[rid]), timeout=5)
+
+
+def _body(rid: str, n: int) -> dict:
+    return {
+        "request_id": rid,
+        "input_ids": PROMPT,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True, "detokenize": False},
+    }
+
+
+def _psrl(rid: int, **extra: str) -> dict[str, str]:
+    return {"x-request-id": str(rid), "x-prompt-id": str(rid), **extra}
+
+
+@pytest.fixture(scope="module")
+def fleet(model_dir, log_dir):
+    a = start_replica(model_dir, log_dir)
+    b = start_replica(model_dir, log_dir)
+    router = start_router(log_dir, [a.url, b.url], args=["--enable-routing-loop", "--policy", "least_load"])
+    yield router, a, b
+    stop_processes([router.proc, a.proc, b.proc])
+
+
+def test_interrupted_request_finishes_elsewhere_with_identical_tokens(fleet) -> None:
+    router, a, b = fleet
+    n = 300
+    reference = httpx.post(f"{router.url}/generate", json=_body("ref-1", n), headers=_psrl(1), timeout=120).json()
+    result: dict = {}
+    t = threading.Thread(
+        target=lambda: result.update(
+            r=httpx.post(f"{router.url}/generate", json=_body("pr-1", n), headers=_psrl(2), timeout=120)
+        )
+    )
+    t.start()
+    _wait_for(lambda: _running(a.url) + _running(b.url) > 0)
+    source = a if _running(a.url) else b
+    source_id = "0" if source is a else "1"
+    time.sleep(0.3)  # let it decode a while
+    # Take the source out of rotation, then interrupt the request there (what a weight sync does).
+    httpx.post(f"{router.url}/workers/pause", json=[{"base_worker_id": source_id}])
+    _abort(source.url, "pr-1")
+    t.join(120)
+    httpx.post(f"{router.url}/workers/resume", json=[{"base_worker_id": source_id}])
+    r = result["r"]
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert r.headers["x-base-worker-id"] != source_id  # it finished on the other replica
+    assert out["output_ids"] == reference["output_ids"]
+    assert len(out["output_ids"]) == n and out["meta_info"]["finish_reason"] == {"type": "length", "length": n}
+    got = [lp for lp, _ in out["meta_info"]["output_token_logprobs"]]
+    want = [lp for lp, _ in reference["meta_info"]["output_token_logprobs"]]
+    assert got == pytest.approx(want, abs=1e-3)
+    assert len(out["meta_info"]["output_token_versions"]) == n
+
+
+def test_pause_barrier_holds_new_requests_until_resume(fleet) -> None:
+    router, a, b = fleet
+    status = httpx.post(f"{router.url}/routing_loop/pause?wait=true", json={}).json()
+    assert status["paused"] and not status["selecting"] and status["active_dispatch_handoffs"] == 0
+    result: dict = {}
+    t = threading.Thread(
+        target=lambda: result.update(
+            r=httpx.post(f"{router.url}/generate", json=_body("held-1", 4), headers=_psrl(7), timeout=60)
+        )
+    )
+    t.start()
+    _wait_for(lambda: httpx.get(f"{router.url}/routing_loop/status").json()["queue_len"] == 1)
+    time.sleep(0.3)
+    assert _running(a.url) + _running(b.url) == 0  # nothing reached a replica
+    assert httpx.get(f"{router.url}/routing_loop/filter?version_tag=-1").json() == [
+        {"request_id": 7, "version_tag": -1, "prompt_id": 7, "is_validate": False}
+    ]
+    status = httpx.post(f"{router.url}/routing_loop/resume", json={}).json()
+    assert not status["paused"]
+    t.join(60)
+    assert result["r"].status_code == 200
+
+
+def test_a_request_waits_for_its_version(fleet) -> None:
+    router, _, _ = fleet
+    result: dict = {}
+    t = threading.Thread(
+        target=lambda: result.update(
+            r=httpx.post(
+                f"{router.url}/generate", json=_body("v5", 3), headers=_psrl(9, **{"x-version-tag": "5"}), timeout=60
+            )
+        )
+    )
+    t.start()
+    _wait_for(lambda: httpx.get(f"{router.url}/routing_loop/filter?version_tag=5").json() != [])
+    assert httpx.get(f"{router.url}/routing_loop/filter?version_tag=4").json() == []
+    updates = [{"worker_id": w, "dp_rank": 0, "weight_version": 5} for w in ("0", "1")]
+    assert httpx.post(f"{router.url}/workers/update_weight_version", json=updates).json()["updated"] == 2
+    t.join(60)
+    r = result["r"]
+    assert r.status_code == 200 and r.headers["x-version-tag"] == "5"
+    assert set(r.json()["meta_info"]["output_token_versions"]) == {5}
+
+
+def test_requests_without_psrl_headers_bypass_the_queue(fleet) -> None:
+    router, _, _ = fleet
+    httpx.post(f"{router.url}/routing_loop/pause?wait=true", json={})
+    try:
+        r = httpx.post(f"{router.url}/generate", json=_body("plain", 2), timeout=30)
+        assert r.status_code == 200
+    finally:
+        httpx.post(f"{router.url}/routing_loop/resume", json={})
