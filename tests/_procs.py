@@ -53,26 +53,37 @@ def _spawn(module: str, args: list[str], log: Path) -> subprocess.Popen:
     )
 
 
-def start_replica(
-    model_dir: Path, log_dir: Path, *, dp_size: int = 1, args: list[str] | None = None, timeout_s: float = 120.0
-) -> Proc:
-    log = log_dir / f"replica-{time.monotonic_ns()}.log"
-    cmd = ["--port", "0", "--model", str(model_dir), "--dp-size", str(dp_size), "--torch-threads", "1", *(args or [])]
-    proc = _spawn("psrl.worker", cmd, log)
+def _start_announced(module: str, args: list[str], log: Path, marker: str, timeout_s: float) -> Proc:
+    """Start a process that prints `<marker> <address>` on stdout once it serves."""
+    proc = _spawn(module, args, log)
     deadline = time.monotonic() + timeout_s
     assert proc.stdout is not None
     out = ""
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"replica exited with {proc.returncode}:\n{log.read_text(errors='replace')}")
+            raise RuntimeError(f"{module} exited with {proc.returncode}:\n{log.read_text(errors='replace')}")
         if select.select([proc.stdout], [], [], 0.2)[0]:
             # os.read, not readline: a buffered reader would hide data from the next select()
             out += os.read(proc.stdout.fileno(), 65536).decode(errors="replace")
             for line in out.splitlines():
-                if line.startswith("PSRL_WORKER_READY "):
+                if line.startswith(marker + " "):
                     return Proc(proc, line.split()[1], log)
     stop_processes([proc])
-    raise TimeoutError(f"replica not ready in {timeout_s}s:\n{log.read_text(errors='replace')}")
+    raise TimeoutError(f"{module} not ready in {timeout_s}s:\n{log.read_text(errors='replace')}")
+
+
+def start_replica(
+    model_dir: Path, log_dir: Path, *, dp_size: int = 1, args: list[str] | None = None, timeout_s: float = 120.0
+) -> Proc:
+    log = log_dir / f"replica-{time.monotonic_ns()}.log"
+    cmd = ["--port", "0", "--model", str(model_dir), "--dp-size", str(dp_size), "--torch-threads", "1", *(args or [])]
+    return _start_announced("psrl.worker", cmd, log, "PSRL_WORKER_READY", timeout_s)
+
+
+def start_psmanager(log_dir: Path, *, port: int = 0, args: list[str] | None = None, timeout_s: float = 60.0) -> Proc:
+    log = log_dir / f"psmanager-{time.monotonic_ns()}.log"
+    cmd = ["--port", str(port), *(args or [])]
+    return _start_announced("psrl.psmanager", cmd, log, "PSRL_PSMANAGER_READY", timeout_s)
 
 
 def start_router(

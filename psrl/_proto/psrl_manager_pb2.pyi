@@ -165,3 +165,79 @@ class UpdateRequestStatusResponse(_message.Message):
     SUCCEEDED_FIELD_NUMBER: _ClassVar[int]
     succeeded: _containers.RepeatedScalarFieldContainer[bool]
     def __init__(self, succeeded: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class AbortRequestsRequest(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class AbortRequestsResponse(_message.Message):
+    __slots__ = ("was_reserved",)
+    WAS_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    was_reserved: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, was_reserved: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class AbortModelVersionRequest(_message.Message):
+    __slots__ = ("model_version",)
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model_version: int
+    def __init__(self, model_version: _Optional[int] = ...) -> None: ...
+
+class AbortModelVersionResponse(_message.Message):
+    __slots__ = ("aborted_request_ids",)
+    ABORTED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    aborted_request_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, aborted_request_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SetRolloutInstanceModelVersionRequest(_message.Message):
+    __slots__ = ("rollout_instance_id", "model_version")
+    ROLLOUT_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    rollout_instance_id: RolloutInstanceId
+    model_version: int
+    def __init__(self, rollout_instance_id: _Optional[_Union[RolloutInstanceId, _Mapping]] = ..., model_version: _Optional[int] = ...) -> None: ...
+
+class SetRolloutInstanceModelVersionResponse(_message.Message):
+    __slots__ = ("latest_model_version",)
+    LATEST_MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    latest_model_version: int
+    def __init__(self, latest_model_version: _Optional[int] = ...) -> None: ...
+
+class ConsumeBufferRequest(_message.Message):
+    __slots__ = ("model_version", "buffer_id", "is_validate")
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_ID_FIELD_NUMBER: _ClassVar[int]
+    IS_VALIDATE_FIELD_NUMBER: _ClassVar[int]
+    model_version: int
+    buffer_id: int
+    is_validate: bool
+    def __init__(self, model_version: _Optional[int] = ..., buffer_id: _Optional[int] = ..., is_validate: _Optional[bool] = ...) -> None: ...
+
+class ConsumeBufferResponse(_message.Message):
+    __slots__ = ("released_request_ids",)
+    RELEASED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    released_request_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, released_request_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SetLatestModelVersionRequest(_message.Message):
+    __slots__ = ("model_version",)
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model_version: int
+    def __init__(self, model_version: _Optional[int] = ...) -> None: ...
+
+class SetLatestModelVersionResponse(_message.Message):
+    __slots__ = ("latest_model_version",)
+    LATEST_MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    latest_model_version: int
+    def __init__(self, latest_model_version: _Optional[int] = ...) -> None: ...
+
+class GetSnapshotRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetSnapshotResponse(_message.Message):
+    __slots__ = ("state_json",)
+    STATE_JSON_FIELD_NUMBER: _ClassVar[int]
+    state_json: str
+    def __init__(self, state_json: _Optional[str] = ...) -> None: ...

@@ -439,3 +439,290 @@ class PSManagerState:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PSManagerAdminStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.AbortRequests = channel.unary_unary(
+                '/psrl.state.PSManagerAdmin/AbortRequests',
+                request_serializer=psrl_dot___proto_dot_psrl__manager__pb2.AbortRequestsRequest.SerializeToString,
+                response_deserializer=psrl_dot___proto_dot_psrl__manager__pb2.AbortRequestsResponse.FromString,
+                _registered_method=True)
+        self.AbortModelVersion = channel.unary_unary(
+                '/psrl.state.PSManagerAdmin/AbortModelVersion',
+                request_serializer=psrl_dot___proto_dot_psrl__manager__pb2.AbortModelVersionRequest.SerializeToString,
+                response_deserializer=psrl_dot___proto_dot_psrl__manager__pb2.AbortModelVersionResponse.FromString,
+                _registered_method=True)
+        self.SetRolloutInstanceModelVersion = channel.unary_unary(
+                '/psrl.state.PSManagerAdmin/SetRolloutInstanceModelVersion',
+                request_serializer=psrl_dot___proto_dot_psrl__manager__pb2.SetRolloutInstanceModelVersionRequest.SerializeToString,
+                response_deserializer=psrl_dot___proto_dot_psrl__manager__pb2.SetRolloutInstanceModelVersionResponse.FromString,
+                _registered_method=True)
+        self.ConsumeBuffer = channel.unary_unary(
+                '/psrl.state.PSManagerAdmin/ConsumeBuffer',
+                request_serializer=psrl_dot___proto_dot_psrl__manager__pb2.ConsumeBufferRequest.SerializeToString,
+                response_deserializer=psrl_dot___proto_dot_psrl__manager__pb2.ConsumeBufferResponse.FromString,
+                _registered_method=True)
+        self.SetLatestModelVersion = channel.unary_unary(
+                '/psrl.state.PSManagerAdmin/SetLatestModelVersion',
+                request_serializer=psrl_dot___proto_dot_psrl__manager__pb2.SetLatestModelVersionRequest.SerializeToString,
+                response_deserializer=psrl_dot___proto_dot_psrl__manager__pb2.SetLatestModelVersionResponse.FromString,
+                _registered_method=True)
+        self.GetSnapshot = channel.unary_unary(
+                '/psrl.state.PSManagerAdmin/GetSnapshot',
+                request_serializer=psrl_dot___proto_dot_psrl__manager__pb2.GetSnapshotRequest.SerializeToString,
+                response_deserializer=psrl_dot___proto_dot_psrl__manager__pb2.GetSnapshotResponse.FromString,
+                _registered_method=True)
+
+
+class PSManagerAdminServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def AbortRequests(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortModelVersion(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetRolloutInstanceModelVersion(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ConsumeBuffer(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetLatestModelVersion(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSnapshot(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PSManagerAdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'AbortRequests': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortRequests,
+                    request_deserializer=psrl_dot___proto_dot_psrl__manager__pb2.AbortRequestsRequest.FromString,
+                    response_serializer=psrl_dot___proto_dot_psrl__manager__pb2.AbortRequestsResponse.SerializeToString,
+            ),
+            'AbortModelVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortModelVersion,
+                    request_deserializer=psrl_dot___proto_dot_psrl__manager__pb2.AbortModelVersionRequest.FromString,
+                    response_serializer=psrl_dot___proto_dot_psrl__manager__pb2.AbortModelVersionResponse.SerializeToString,
+            ),
+            'SetRolloutInstanceModelVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRolloutInstanceModelVersion,
+                    request_deserializer=psrl_dot___proto_dot_psrl__manager__pb2.SetRolloutInstanceModelVersionRequest.FromString,
+                    response_serializer=psrl_dot___proto_dot_psrl__manager__pb2.SetRolloutInstanceModelVersionResponse.SerializeToString,
+            ),
+            'ConsumeBuffer': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConsumeBuffer,
+                    request_deserializer=psrl_dot___proto_dot_psrl__manager__pb2.ConsumeBufferRequest.FromString,
+                    response_serializer=psrl_dot___proto_dot_psrl__manager__pb2.ConsumeBufferResponse.SerializeToString,
+            ),
+            'SetLatestModelVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetLatestModelVersion,
+                    request_deserializer=psrl_dot___proto_dot_psrl__manager__pb2.SetLatestModelVersionRequest.FromString,
+                    response_serializer=psrl_dot___proto_dot_psrl__manager__pb2.SetLatestModelVersionResponse.SerializeToString,
+            ),
+            'GetSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSnapshot,
+                    request_deserializer=psrl_dot___proto_dot_psrl__manager__pb2.GetSnapshotRequest.FromString,
+                    response_serializer=psrl_dot___proto_dot_psrl__manager__pb2.GetSnapshotResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'psrl.state.PSManagerAdmin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('psrl.state.PSManagerAdmin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class PSManagerAdmin:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def AbortRequests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psrl.state.PSManagerAdmin/AbortRequests',
+            psrl_dot___proto_dot_psrl__manager__pb2.AbortRequestsRequest.SerializeToString,
+            psrl_dot___proto_dot_psrl__manager__pb2.AbortRequestsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortModelVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psrl.state.PSManagerAdmin/AbortModelVersion',
+            psrl_dot___proto_dot_psrl__manager__pb2.AbortModelVersionRequest.SerializeToString,
+            psrl_dot___proto_dot_psrl__manager__pb2.AbortModelVersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRolloutInstanceModelVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psrl.state.PSManagerAdmin/SetRolloutInstanceModelVersion',
+            psrl_dot___proto_dot_psrl__manager__pb2.SetRolloutInstanceModelVersionRequest.SerializeToString,
+            psrl_dot___proto_dot_psrl__manager__pb2.SetRolloutInstanceModelVersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConsumeBuffer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psrl.state.PSManagerAdmin/ConsumeBuffer',
+            psrl_dot___proto_dot_psrl__manager__pb2.ConsumeBufferRequest.SerializeToString,
+            psrl_dot___proto_dot_psrl__manager__pb2.ConsumeBufferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetLatestModelVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psrl.state.PSManagerAdmin/SetLatestModelVersion',
+            psrl_dot___proto_dot_psrl__manager__pb2.SetLatestModelVersionRequest.SerializeToString,
+            psrl_dot___proto_dot_psrl__manager__pb2.SetLatestModelVersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/psrl.state.PSManagerAdmin/GetSnapshot',
+            psrl_dot___proto_dot_psrl__manager__pb2.GetSnapshotRequest.SerializeToString,
+            psrl_dot___proto_dot_psrl__manager__pb2.GetSnapshotResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -4,6 +4,7 @@ from psrl.engine.async_engine import AsyncEngine, KvEventStream, RequestStream
 from psrl.engine.config import ModelConfig
 from psrl.engine.engine import Engine, EngineStats
 from psrl.engine.errors import (
+    AdmissionClosedError,
     ConfigError,
     DuplicateRequestError,
     EmptyPromptError,
@@ -32,8 +33,10 @@ from psrl.engine.model import Qwen2Model
 from psrl.engine.prefix_cache import BlockPool, hash_block_tokens
 from psrl.engine.request import RequestOutput
 from psrl.engine.sampler import SamplingOptions
+from psrl.engine.sync import PauseMode, SyncAbortedRequest
 
 __all__ = [
+    "AdmissionClosedError",
     "AllBlocksCleared",
     "AsyncEngine",
     "BlockPool",
@@ -59,11 +62,13 @@ __all__ = [
     "ModelConfig",
     "OutOfBlocks",
     "PagedKVCache",
+    "PauseMode",
     "Qwen2Model",
     "RequestOutput",
     "RequestStream",
     "SamplingOptions",
     "StoredBlock",
+    "SyncAbortedRequest",
     "TokenOutOfRangeError",
     "WeightLoadError",
     "hash_block_tokens",

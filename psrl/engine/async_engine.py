@@ -7,6 +7,11 @@ while there is; each step's delta outputs are handed to the event loops of their
 KV events: `subscribe_kv_events()` returns a stream that starts with a snapshot of the prefix cache and then
 gets the events of every step, pushed by the step thread right after the step (no polling). The engine
 records events only while at least one subscriber exists.
+
+Weight syncs: `pause(mode)` closes admission and returns once the pause is in effect, i.e. once the step
+thread sits idle with nothing it may run (so no forward is in flight and every abort output is handed to
+its stream); `resume()` undoes it. `prepare_weights` + `swap_weights` split `load_weights` so that a
+replica can swap several ranks only once all of them built their new weights.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ import torch
 from psrl.engine.engine import Engine, EngineStats
 from psrl.engine.errors import DuplicateRequestError, EngineDeadError, EngineStepError, KvEventsOverflowError
 from psrl.engine.kv_events import KvEvent, KvEventsUpdate
+from psrl.engine.model import Qwen2Model
 from psrl.engine.request import RequestOutput
 from psrl.engine.sampler import SamplingOptions
+from psrl.engine.sync import PauseMode, SyncAbortedRequest
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +150,10 @@ class AsyncEngine:
         self._kv_lock = threading.Lock()
         self._wake = threading.Condition()
         self._shutdown = False
+        # Guarded by _wake: whether the step thread sits waiting with nothing it may run, and the futures of
+        # coroutines waiting for that (pause), resolved by the step thread each time it goes to wait.
+        self._idle = False
+        self._idle_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._thread = threading.Thread(target=self._run, name="psrl-engine-step", daemon=True)
         self._thread.start()
 
@@ -222,9 +233,91 @@ class AsyncEngine:
         await asyncio.to_thread(self.engine.load_weights, seed=seed, path=path, state_dict=state_dict, version=version)
         self._publish_kv_events()  # the swap cleared the prefix cache
 
+    async def prepare_weights(
+        self,
+        *,
+        seed: int | None = None,
+        path: str | Path | None = None,
+        state_dict: dict[str, torch.Tensor] | None = None,
+    ) -> Qwen2Model:
+        """Build new weights off the event loop, without swapping them in (see Engine.build_weights)."""
+        return await asyncio.to_thread(self.engine.build_weights, seed=seed, path=path, state_dict=state_dict)
+
+    async def swap_weights(self, model: Qwen2Model, *, version: int) -> None:
+        """Swap in weights from prepare_weights; returns once they are in place (at a step boundary)."""
+        await asyncio.to_thread(self.engine.swap_weights, model, version=version)
+        self._publish_kv_events()
+
     @property
     def weight_version(self) -> int:
         return self.engine.weight_version
+
+    # ---- weight-sync pause ----------------------------------------------------------------------
+
+    async def pause(
+        self, mode: PauseMode, *, clear_cache: bool = False, reason: str = "generation is paused"
+    ) -> list[SyncAbortedRequest]:
+        """Close admission and pause generation; returns once the pause is in effect.
+
+        ABORT ends every request now (each stream gets its "abort" output) and returns them; WAIT returns
+        once every request finished normally (a KEEP pause's frozen requests run again to get there); KEEP
+        freezes them until resume. Then no step runs until `resume()`. `clear_cache` drops the prefix cache
+        once paused. Pausing again is allowed (e.g. ABORT after KEEP). If this coroutine is cancelled, the
+        admission stays closed; call `resume()` or pause again.
+        """
+        self.engine.close_admission(reason)
+        aborted: list[SyncAbortedRequest] = []
+        if mode is PauseMode.WAIT:
+            self.engine.unfreeze()
+            self._notify()
+            await self._wait_idle()  # admission is closed: idle now means every request finished
+            self.engine.freeze()
+        else:
+            self.engine.freeze()
+            if mode is PauseMode.ABORT:
+                aborted = self.engine.abort_all_for_sync()
+                self._notify()  # the frozen step thread still hands out the abort outputs
+            await self._wait_idle()
+        if clear_cache:
+            self.reset_prefix_cache()
+        return aborted
+
+    def resume(self) -> None:
+        """Reopen admission and let frozen requests run again (also clears a `close_admission`)."""
+        self.engine.unfreeze()
+        self.engine.open_admission()
+        self._notify()
+
+    def close_admission(self, reason: str) -> None:
+        """Refuse new requests (AdmissionClosedError from generate) without pausing anything."""
+        self.engine.close_admission(reason)
+
+    @property
+    def paused(self) -> bool:
+        """Whether a pause is in effect (set once `pause` froze the engine, cleared by `resume`)."""
+        return self.engine.frozen
+
+    @property
+    def admission_closed_reason(self) -> str | None:
+        return self.engine.admission_closed_reason
+
+    async def _wait_idle(self) -> None:
+        """Until the step thread waits with nothing it may run: no step in flight, every output dispatched."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._wake:
+                if self._shutdown or not self._thread.is_alive():
+                    raise EngineDeadError("the engine is shut down")
+                if self._idle and not self.engine.has_unfinished_requests():
+                    return
+                waiter = (loop, loop.create_future())
+                self._idle_waiters.append(waiter)
+            try:
+                await waiter[1]
+            finally:
+                with self._wake:
+                    if waiter in self._idle_waiters:
+                        self._idle_waiters.remove(waiter)
 
     def is_alive(self) -> bool:
         return self._thread.is_alive() and not self._shutdown
@@ -234,6 +327,7 @@ class AsyncEngine:
         with self._wake:
             self._shutdown = True
             self._wake.notify_all()
+            self._wake_idle_waiters()  # they see the shutdown and raise EngineDeadError
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
         with self._streams_lock:
@@ -297,11 +391,28 @@ class AsyncEngine:
         if aborted:
             self._notify()
 
+    def _wake_idle_waiters(self) -> None:
+        """Caller holds _wake."""
+        waiters, self._idle_waiters = self._idle_waiters, []
+        for loop, future in waiters:
+            _call_soon(loop, _resolve, future)
+
     def _run(self) -> None:
+        try:
+            self._step_loop()
+        finally:  # pause() waiters must not hang on a dead thread
+            with self._wake:
+                self._idle = False
+                self._wake_idle_waiters()
+
+    def _step_loop(self) -> None:
         while True:
             with self._wake:
                 while not self._shutdown and not self.engine.has_unfinished_requests():
+                    self._idle = True
+                    self._wake_idle_waiters()
                     self._wake.wait()
+                self._idle = False
                 if self._shutdown:
                     return
             try:
@@ -365,6 +476,11 @@ def _put_all(batch: list[tuple[asyncio.Queue[Any], Any]]) -> None:
         queue.put_nowait(item)
 
 
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 def _put_kv_update(subs: list[KvEventStream], update: KvEventsUpdate) -> None:
     for sub in subs:
         sub._put(update)
@@ -374,4 +490,4 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
     try:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # that event loop is closed: nobody is listening any more
-        logger.debug("dropping a KV-event update for a closed event loop")
+        logger.debug("dropping a callback for a closed event loop")

@@ -8,11 +8,18 @@ blocks were computed with the old weights).
 Prefix caching (on by default, like vLLM v1): full blocks are shared between requests with the same token
 prefix; see prefix_cache.py. With `kv_events_enabled` on, the cache's changes are recorded as KV events
 for `drain_kv_events()`.
+
+Weight syncs: `close_admission` refuses new requests (AdmissionClosedError), `freeze` stops scheduling
+without touching any request's state (a frozen step only hands out pending abort outputs),
+`abort_all_for_sync` ends every request and reports what each had produced, calling `on_sync_abort` for
+each while its KV blocks are still held. The async layer (AsyncEngine.pause) combines them into vLLM's
+pause modes.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +28,7 @@ import torch
 from psrl.engine.batch import build_paged_batch
 from psrl.engine.config import ModelConfig
 from psrl.engine.errors import (
+    AdmissionClosedError,
     ConfigError,
     DuplicateRequestError,
     EmptyPromptError,
@@ -37,6 +45,7 @@ from psrl.engine.prefix_cache import BlockPool
 from psrl.engine.request import Request, RequestOutput, RequestStatus
 from psrl.engine.sampler import Sampler, SampleResult, SamplingOptions
 from psrl.engine.scheduler import ScheduledChunk, Scheduler
+from psrl.engine.sync import SyncAbortedRequest
 
 
 @dataclass(frozen=True)
@@ -99,8 +108,13 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._pending_outputs: list[RequestOutput] = []  # abort notices for the next step to return
         self._pending_abort_ids: set[str] = set()  # ids stay taken until their abort notice is returned
-        self._lock = threading.Lock()  # requests, queues, blocks, pending outputs
+        self._lock = threading.Lock()  # requests, queues, blocks, pending outputs, admission, freeze
         self._step_lock = threading.Lock()  # one step at a time; weight swaps between steps
+        self._admission_closed: str | None = None  # why new requests are refused; None = open
+        self._frozen = False
+        # Seam for KV migration: called (under the engine lock) for each request a sync pause aborts, while
+        # its blocks are still held, so a later hook can pin them for a transfer before they are freed.
+        self.on_sync_abort: Callable[[SyncAbortedRequest], None] | None = None
 
     # ---- weights --------------------------------------------------------------------------------
 
@@ -133,7 +147,25 @@ class Engine:
         version: int,
     ) -> None:
         """Build new weights (errors leave the old ones in place), then swap them in between two steps."""
-        model = self._build_model(seed=seed, path=path, state_dict=state_dict)
+        self.swap_weights(self.build_weights(seed=seed, path=path, state_dict=state_dict), version=version)
+
+    def build_weights(
+        self,
+        *,
+        seed: int | None = None,
+        path: str | Path | None = None,
+        state_dict: dict[str, torch.Tensor] | None = None,
+    ) -> Qwen2Model:
+        """The first half of load_weights: new weights built off to the side, nothing swapped yet.
+
+        Lets a replica with several dp ranks build every rank's weights first and swap only if all built.
+        """
+        return self._build_model(seed=seed, path=path, state_dict=state_dict)
+
+    def swap_weights(self, model: Qwen2Model, *, version: int) -> None:
+        """The second half of load_weights: swap in weights from build_weights between two steps."""
+        if model.config != self.model_config:
+            raise ConfigError("these weights were built for another model config")
         with self._step_lock:
             self._model = model
             self.weight_version = version
@@ -144,6 +176,9 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingOptions) -> None:
+        closed = self._admission_closed
+        if closed is not None:  # refused before validation, like a paused vLLM servicer
+            raise AdmissionClosedError(closed)
         sampling.validate()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -161,6 +196,8 @@ class Engine:
         max_total = self._max_total_tokens(request_id, len(prompt), sampling.max_tokens)
         request = Request(request_id, prompt, sampling, max_total)
         with self._lock:
+            if self._admission_closed is not None:  # closed while this request was being validated
+                raise AdmissionClosedError(self._admission_closed)
             if request_id in self._requests or request_id in self._pending_abort_ids:
                 raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
             self._requests[request_id] = request
@@ -203,25 +240,84 @@ class Engine:
         tokens are emitted for the request, even from a step that is running concurrently.
         """
         with self._lock:
-            req = self._requests.pop(request_id, None)
+            req = self._requests.get(request_id)
             if req is None:
                 return False
-            self._scheduler.finish(req)
-            self._pending_abort_ids.add(request_id)
-            self._pending_outputs.append(
-                RequestOutput(
-                    request_id=request_id,
-                    new_token_ids=[],
-                    new_logprobs=[] if req.sampling.logprobs is not None else None,
-                    new_top_logprobs=[] if req.sampling.logprobs else None,
-                    finish_reason="abort",
-                    matched_stop_token_id=None,
-                    num_prompt_tokens=req.num_prompt_tokens,
-                    num_cached_tokens=max(req.num_cached_tokens, 0),
-                    num_output_tokens=req.num_output_tokens,
-                )
-            )
+            self._abort_locked(req)
             return True
+
+    def _abort_locked(self, req: Request) -> None:
+        """Caller holds _lock."""
+        del self._requests[req.request_id]
+        self._scheduler.finish(req)
+        self._pending_abort_ids.add(req.request_id)
+        self._pending_outputs.append(
+            RequestOutput(
+                request_id=req.request_id,
+                new_token_ids=[],
+                new_logprobs=[] if req.sampling.logprobs is not None else None,
+                new_top_logprobs=[] if req.sampling.logprobs else None,
+                finish_reason="abort",
+                matched_stop_token_id=None,
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_cached_tokens=max(req.num_cached_tokens, 0),
+                num_output_tokens=req.num_output_tokens,
+            )
+        )
+
+    # ---- weight-sync control --------------------------------------------------------------------
+
+    def close_admission(self, reason: str) -> None:
+        """Refuse new requests (AdmissionClosedError) until open_admission; running ones are untouched."""
+        with self._lock:
+            self._admission_closed = reason
+
+    def open_admission(self) -> None:
+        with self._lock:
+            self._admission_closed = None
+
+    @property
+    def admission_closed_reason(self) -> str | None:
+        """Why new requests are refused, or None while admission is open."""
+        return self._admission_closed
+
+    def freeze(self) -> None:
+        """Stop scheduling: later steps run no forward and only hand out pending abort outputs.
+
+        Requests keep their tokens, KV blocks and sampler state, so after unfreeze they continue exactly as
+        if nothing happened. A step already running finishes normally (AsyncEngine.pause waits for it).
+        """
+        with self._lock:
+            self._frozen = True
+
+    def unfreeze(self) -> None:
+        with self._lock:
+            self._frozen = False
+
+    @property
+    def frozen(self) -> bool:
+        return self._frozen
+
+    def abort_all_for_sync(self) -> list[SyncAbortedRequest]:
+        """Abort every live request (running first, then waiting), like abort() on each.
+
+        Returns each one as it stood; `on_sync_abort` sees each before its blocks are freed.
+        """
+        aborted = []
+        with self._lock:
+            for req in [*self._scheduler.running, *self._scheduler.waiting]:
+                snapshot = SyncAbortedRequest(
+                    request_id=req.request_id,
+                    token_ids=tuple(req.token_ids),
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_computed_tokens=req.num_computed_tokens,
+                    block_ids=tuple(req.block_ids),
+                )
+                if self.on_sync_abort is not None:
+                    self.on_sync_abort(snapshot)
+                self._abort_locked(req)
+                aborted.append(snapshot)
+        return aborted
 
     def get_block_ids(self, request_id: str) -> list[int] | None:
         """The KV block table of a live request (a copy), or None if it is not in the engine.
@@ -273,13 +369,16 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------------
 
     def has_unfinished_requests(self) -> bool:
+        """Whether step() has work: pending outputs, or requests to run unless frozen."""
         with self._lock:
-            return self._scheduler.has_unfinished() or bool(self._pending_outputs)
+            return bool(self._pending_outputs) or (not self._frozen and self._scheduler.has_unfinished())
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward over every scheduled token, sample, and return delta outputs."""
         with self._step_lock:
             with self._lock:
+                if self._frozen:
+                    return self._take_pending_outputs()
                 chunks = self._scheduler.schedule()
                 if not chunks:
                     return self._take_pending_outputs()

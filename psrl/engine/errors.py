@@ -78,6 +78,19 @@ class KvEventsOverflowError(EngineError, RuntimeError):
     code = "kv_events_overflow"
 
 
+class AdmissionClosedError(EngineError, RuntimeError):
+    """The engine takes no new requests right now (a weight sync paused it, or a sync failed).
+
+    Not a ValueError: the request itself is fine; the servicer answers it with an empty "abort" frame.
+    """
+
+    code = "admission_closed"
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"admission is closed: {reason}")
+        self.reason = reason
+
+
 class EngineDeadError(EngineError, RuntimeError):
     """The async engine was shut down (or its thread died); no more requests are served."""
 

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 import grpc
 import httpx
 
+from psrl.psmanager.client import PSManagerClient
 from psrl.router import coordinator_api
 from psrl.router.asgi import AnyResponse, App, Request, Response, StreamingResponse, json_response
 from psrl.router.background import BackgroundLoops
@@ -39,6 +40,7 @@ from psrl.router.pipeline.prepare import chat_prompt_ids, new_request_id, text_p
 from psrl.router.pipeline.select import resolve_model
 from psrl.router.pipeline.stream import sse_stream
 from psrl.router.policies import KvEventIndex, SelectionRequest, make_policy
+from psrl.router.psmanager_admission import PSManagerAdmission
 from psrl.router.registry import Worker, WorkerRegistry
 from psrl.router.routing_loop import RoutingLoop
 from psrl.router.selector import AdmissionHook, PassThroughAdmission, Selector, Ticket
@@ -79,6 +81,9 @@ class RouterApp:
         index = getattr(self.policy, "index", None)
         self.kv_index: KvEventIndex | None = index if config.enable_kv_events else None
         self.admission: AdmissionHook = PassThroughAdmission()
+        if config.psrl_ps_manager_addr:
+            client = PSManagerClient(config.psrl_ps_manager_addr, timeout_s=config.psmanager_rpc_timeout_s)
+            self.admission = PSManagerAdmission(client)
         self.selector = Selector(config.selector, self.policy, self.admission)
         self.loop: RoutingLoop | None = None
         if config.routing_loop.enable_routing_loop:
@@ -156,6 +161,8 @@ class RouterApp:
                 await self.loop.stop()
             await self.clients.close()
             await self.http.close()
+            if isinstance(self.admission, PSManagerAdmission):
+                await self.admission.close()
 
     async def _register_from_cli(self, url: str) -> None:
         while True:

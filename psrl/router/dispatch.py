@@ -3,12 +3,15 @@ iterations, looping it back after a weight-sync abort (partial rollout) until it
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
+from psrl.psmanager.errors import PSManagerError
 from psrl.router.errors import (
     BadRequest,
+    RequestAborted,
     RouterError,
     WorkerInternalError,
     WorkerStreamFailed,
@@ -33,8 +36,7 @@ logger = logging.getLogger(__name__)
 WORKER_FAULTS = (WorkerUnavailable, WorkerStreamFailed, WorkerTimeout, WorkerInternalError)
 
 
-class RequestAborted(BadRequest):
-    code = "request_aborted"
+LOOPBACK_WAIT_S = 300.0
 
 
 class PartialRolloutExhausted(RouterError):
@@ -78,7 +80,10 @@ class Dispatcher:
             raise BadRequest(f"model {model!r} is served only by HTTP workers; this endpoint needs gRPC workers")
         if self.loop is not None and meta.has_psrl:
             return await self.loop.acquire(meta, request, lambda: self.instances(model, grpc_only))
-        selection = await self.selector.select(self.instances(model, grpc_only), meta, request)
+        try:
+            selection = await self.selector.select(self.instances(model, grpc_only), meta, request)
+        except PSManagerError as e:
+            raise WorkerUnavailable(f"the PSManager is unavailable: {e}") from e
         self.metrics.selected(selection.stage, selection.instance is not None)
         if selection.instance is None:
             raise WorkerUnavailable(selection.reason)
@@ -149,6 +154,8 @@ class Rollout:
         self.ticket: Ticket | None = None
         self._call: WorkerCall | None = None
         self._last: Generation | None = None
+        self._interrupted = 0  # aborts after producing tokens
+        self._refused = 0  # consecutive aborts with nothing produced (admission closed)
 
     async def _begin(self, gen: GenerationInput) -> WorkerCall:
         request = SelectionRequest(gen.request_id, self._model, gen.prompt_ids, self._text, self.meta.routing_key)
@@ -163,6 +170,18 @@ class Rollout:
         if self.first_ticket is None:
             self.first_ticket = ticket
         return call
+
+    async def _loop_back(self, gen: GenerationInput) -> WorkerCall:
+        """A looped-back request already holds tokens: while no instance can take it (a sync in progress),
+        it waits rather than failing."""
+        deadline = asyncio.get_running_loop().time() + LOOPBACK_WAIT_S
+        while True:
+            try:
+                return await self._begin(gen)
+            except WorkerUnavailable:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
 
     async def start(self) -> Ticket:
         self._call = await self._begin(self.state.original)
@@ -189,9 +208,17 @@ class Rollout:
                 if segment.finish_reason == "abort" and self.state.remaining_tokens == 0:
                     self._last = replace(segment, finish_reason="length")
                 return
-            if self.state.iterations >= self._d.max_iterations:
+            if segment.output_ids:
+                self._interrupted += 1
+                self._refused = 0
+            else:
+                # Refused at admission (the replica is mid-sync): not progress, so back off instead of spinning.
+                self._refused += 1
+                await asyncio.sleep(min(0.05 * self._refused, 1.0))
+            if self._interrupted >= self._d.max_iterations or self._refused >= 10 * self._d.max_iterations:
                 raise PartialRolloutExhausted(
-                    f"request aborted {self.state.iterations} times in a row; giving up (max_iterations)"
+                    f"request interrupted {self._interrupted} times and refused {self._refused} times in a row; "
+                    "giving up (max_rollout_iterations)"
                 )
             # Loop back: hint the instance that aborted it (the KV-transfer source), drop a one-shot pin,
             # and keep the version it was pinned to as its floor.
@@ -204,7 +231,7 @@ class Rollout:
                 len(self.state.output_ids),
                 self.state.iterations,
             )
-            call = await self._begin(self.state.next_input())
+            call = await self._loop_back(self.state.next_input())
 
     async def collect(self) -> Generation:
         async for _ in self.deltas():

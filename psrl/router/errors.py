@@ -47,6 +47,12 @@ class PromptOverflow(BadRequest):
     code = "prompt_overflow"
 
 
+class RequestAborted(BadRequest):
+    """The PSManager aborted the request (e.g. its version was dropped): not retried."""
+
+    code = "request_aborted"
+
+
 class Unauthorized(RouterError):
     status = 401
     code = "unauthorized"

@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from psrl.router.errors import RouterError
 from psrl.router.metadata import RoutingMeta
 from psrl.router.policies.base import SelectionRequest
 from psrl.router.registry import InstanceState
@@ -271,6 +272,10 @@ class RoutingLoop:
         self._decisions += 1
         try:
             selection: Selection = await self._selector.select(entry.instances(), entry.meta, entry.request)
+        except RouterError as e:  # a verdict on the request itself (e.g. aborted): answer it
+            if not entry.future.done():
+                entry.future.set_exception(e)
+            return False
         except Exception:  # e.g. the PSManager is unreachable: the request waits, nothing is lost
             logger.warning("selection of request %s failed; it stays queued", entry.request.request_id, exc_info=True)
             selection = Selection(None, "error")

@@ -1,4 +1,11 @@
-"""`python -m psrl.worker`: one reference replica process serving VllmEngine over gRPC."""
+"""`python -m psrl.worker`: one reference replica process serving VllmEngine over gRPC.
+
+The same gRPC server also serves `psrl.control.ReplicaControl` (proto/psrl/_proto/replica_control.proto,
+psrl/worker/control.py), the replica side of a weight sync: PauseGeneration (mode ABORT | WAIT | KEEP,
+clear_cache), LoadWeights (version, seed or safetensors path), ResumeGeneration, GetSyncState and FailSync,
+each acting on every dp rank at once. While paused or after FailSync, a new Generate gets an empty "abort"
+complete frame. Nothing to configure: the service is always registered.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +18,9 @@ from dataclasses import dataclass
 import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
+from psrl._proto import replica_control_pb2_grpc
 from psrl.engine import AsyncEngine, CacheConfig, Engine
+from psrl.worker.control import ReplicaControlServicer
 from psrl.worker.model_folder import build_tiny_model_folder, load_model_folder
 from psrl.worker.registration import register_with_router, registration_body, wait_until_healthy
 from psrl.worker.servicer import ReferenceServicer
@@ -107,6 +116,7 @@ async def serve(args: WorkerArgs) -> None:
         options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
     )
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
+    replica_control_pb2_grpc.add_ReplicaControlServicer_to_server(ReplicaControlServicer(engines), server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     if port == 0:
         raise OSError(f"cannot bind {args.host}:{args.port}")

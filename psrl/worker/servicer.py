@@ -5,6 +5,10 @@ gets a complete frame carrying only the last delta, so the router accumulates ch
 frame's ids only when no chunk came. An abort while streaming therefore ends with an empty chunk and an
 empty "abort" complete frame. Without streaming, one complete frame carries every id produced so far.
 
+Admission: while a weight sync paused the replica or failed (psrl.worker.control), a new Generate is not an
+error: like smg-grpc-servicer with admission closed, it gets one complete frame with finish_reason "abort"
+and no ids, at once, and no admission metadata.
+
 KV events: `SubscribeKvEvents` streams every dp rank's prefix-cache events on one call, each batch tagged
 with its `dp_rank` and numbered per rank. There is no replay history: each rank's stream opens with a
 snapshot of its live cached blocks (a KvCacheCleared, then the blocks parents first, marked as
@@ -29,6 +33,7 @@ import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from psrl.engine import (
+    AdmissionClosedError,
     AllBlocksCleared,
     AsyncEngine,
     BlocksRemoved,
@@ -175,7 +180,12 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             sampling = sampling_from_proto(request.sampling_params)
             prompt = self._prompt_ids(request)
             with_top = bool(sampling.logprobs)
-            stream = self.engines[rank].generate(request_id, prompt, sampling)
+            try:
+                stream = self.engines[rank].generate(request_id, prompt, sampling)
+            except AdmissionClosedError as e:
+                logger.info("Generate %s refused: %s", request_id, e.reason)
+                yield vllm_engine_pb2.GenerateResponse(complete=_refused_complete(len(prompt)))
+                return
             self._rank_of[request_id] = rank
             # Tell the router the request is admitted, so a death from here on reads as mid-request (502)
             # even when no frame has come yet (non-streamed calls).
@@ -273,7 +283,7 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         engine = self.engines[0].engine
         return vllm_engine_pb2.GetServerInfoResponse(
             active_requests=len(self._rank_of),
-            is_paused=False,
+            is_paused=all(e.paused for e in self.engines),
             last_receive_timestamp=self._last_receive,
             uptime_seconds=time.time() - self._started,
             # The wire protocol is vLLM's; the router treats us exactly like a vLLM gRPC worker.
@@ -371,6 +381,13 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         """Drop every rank's prefix cache; running requests keep their blocks (never needs to wait)."""
         cleared = sum(engine.reset_prefix_cache() for engine in self.engines)
         return common_pb2.FlushCacheResponse(success=True, message=f"dropped {cleared} cached blocks")
+
+
+def _refused_complete(num_prompt_tokens: int) -> vllm_engine_pb2.GenerateComplete:
+    """The frame for a Generate refused because admission is closed: "abort" with nothing produced."""
+    return vllm_engine_pb2.GenerateComplete(
+        output_ids=[], finish_reason="abort", prompt_tokens=num_prompt_tokens, completion_tokens=0
+    )
 
 
 async def _pump_kv(

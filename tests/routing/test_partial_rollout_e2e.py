@@ -60,7 +60,7 @@ def fleet(model_dir, log_dir):
 
 def test_interrupted_request_finishes_elsewhere_with_identical_tokens(fleet) -> None:
     router, a, b = fleet
-    n = 300
+    n = 1000
     reference = httpx.post(f"{router.url}/generate", json=_body("ref-1", n), headers=_psrl(1), timeout=120).json()
     result: dict = {}
     t = threading.Thread(

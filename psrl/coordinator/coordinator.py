@@ -1,0 +1,322 @@
+"""The weight-sync protocol against the router (HTTP) and the replicas (gRPC ReplicaControl).
+
+  1. pause the routing loop and wait for its barrier (no new Generate reaches a replica after it)
+  2. pause every replica for the sync (running requests end with an abort frame carrying their tokens)
+  3. wait until the router has taken every interrupted request back (they wait in its queue)
+  4. load the new weights on every replica
+  5. publish the version for every rank (/workers/update_weight_version)
+  6. resume the replicas, then the routing loop (in this order, so no dispatch meets a closed replica)
+
+On failure the failed replicas are marked failed (FailSync) and paused in the router (/workers/pause), and the
+loop resumes so the healthy ones keep serving. `push_stats` feeds the router's least-load/psrl view with the
+replicas' scheduler stats (/workers/update_stats).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+import grpc
+import httpx
+from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+from psrl._proto import replica_control_pb2 as rc
+from psrl._proto import replica_control_pb2_grpc as rc_grpc
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class SyncError(RuntimeError):
+    """The sync failed; `failed` names the replicas that were taken out of rotation."""
+
+    def __init__(self, message: str, failed: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.failed = list(failed)
+
+
+@dataclass(frozen=True)
+class ReplicaHandle:
+    worker_id: str
+    target: str  # host:port of its gRPC server (VllmEngine + ReplicaControl)
+    dp_size: int
+
+
+@dataclass
+class SyncReport:
+    version: int
+    replicas: list[str]
+    aborted_requests: int
+    seconds: float
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+class RolloutCoordinator:
+    """Async client. Use `async with RolloutCoordinator(url) as c: await c.sync_weights(...)`."""
+
+    def __init__(
+        self,
+        router_url: str,
+        *,
+        admin_api_key: str | None = None,
+        rpc_timeout_s: float = 120.0,
+        loopback_timeout_s: float = 120.0,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
+        self._http = httpx.AsyncClient(base_url=router_url.rstrip("/"), headers=headers, timeout=rpc_timeout_s)
+        self._rpc_timeout_s = rpc_timeout_s
+        self._loopback_timeout_s = loopback_timeout_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def __aenter__(self) -> RolloutCoordinator:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._http.aclose()
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    # ---- plumbing ---------------------------------------------------------------------------------------
+
+    def _channel(self, target: str) -> grpc.aio.Channel:
+        if target not in self._channels:
+            self._channels[target] = grpc.aio.insecure_channel(target)
+        return self._channels[target]
+
+    def _control(self, replica: ReplicaHandle) -> rc_grpc.ReplicaControlStub:
+        return rc_grpc.ReplicaControlStub(self._channel(replica.target))
+
+    async def _post(self, path: str, body: Any) -> Any:
+        resp = await self._http.post(path, json=body)
+        resp.raise_for_status()
+        return resp.json()
+
+    async def replicas(self) -> list[ReplicaHandle]:
+        resp = await self._http.get("/workers")
+        resp.raise_for_status()
+        return [
+            ReplicaHandle(w["worker_id"], w["url"].removeprefix("grpc://"), int(w["dp_size"]))
+            for w in resp.json()["workers"]
+            if w.get("connection_mode", "grpc") == "grpc"
+        ]
+
+    # ---- the routing loop --------------------------------------------------------------------------------
+
+    async def pause_routing(self) -> dict[str, Any]:
+        status = await self._post("/routing_loop/pause?wait=true", {})
+        if status.get("enabled") and (
+            not status["paused"] or status["selecting"] or status["active_dispatch_handoffs"]
+        ):
+            raise SyncError(f"routing loop did not reach its pause barrier: {status}")
+        return status
+
+    async def resume_routing(self) -> dict[str, Any]:
+        return await self._post("/routing_loop/resume", {})
+
+    async def _wait_looped_back(self, replicas: Sequence[ReplicaHandle]) -> None:
+        """Every interrupted request has come back to the router (none runs anywhere)."""
+        deadline = asyncio.get_running_loop().time() + self._loopback_timeout_s
+        while True:
+            status = (await self._http.get("/routing_loop/status")).json()
+            states = await asyncio.gather(
+                *(
+                    self._control(r).GetSyncState(rc.GetSyncStateRequest(), timeout=self._rpc_timeout_s)
+                    for r in replicas
+                )
+            )
+            if status.get("running_request_num", 0) == 0 and all(s.running_requests == 0 for s in states):
+                return
+            if asyncio.get_running_loop().time() > deadline:
+                raise SyncError(f"interrupted requests did not loop back within {self._loopback_timeout_s}s")
+            await asyncio.sleep(0.02)
+
+    # ---- the sync ----------------------------------------------------------------------------------------
+
+    async def sync_weights(
+        self,
+        version: int,
+        *,
+        seed: int | None = None,
+        path: str | None = None,
+        replicas: Sequence[ReplicaHandle] | None = None,
+    ) -> SyncReport:
+        if (seed is None) == (path is None):
+            raise ValueError("give exactly one weight source: seed or path")
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        phases: dict[str, float] = {}
+        targets = list(replicas) if replicas is not None else await self.replicas()
+        if not targets:
+            raise SyncError("no gRPC replicas are registered")
+
+        def mark(name: str, since: float) -> float:
+            now = loop.time()
+            phases[name] = now - since
+            return now
+
+        t = start
+        await self.pause_routing()
+        t = mark("pause_routing", t)
+        aborted = 0
+        failed: list[ReplicaHandle] = []
+        try:
+            pauses = await self._each(
+                targets,
+                lambda r: self._control(r).PauseGeneration(
+                    rc.PauseGenerationRequest(mode=rc.PAUSE_MODE_ABORT), timeout=self._rpc_timeout_s
+                ),
+                failed,
+            )
+            aborted = sum(len(p.aborted_request_ids) for p in pauses if p is not None)
+            t = mark("pause_replicas", t)
+            live = [r for r in targets if r not in failed]
+            await self._wait_looped_back(live)
+            t = mark("loop_back", t)
+            source = {"seed": seed} if seed is not None else {"path": path}
+            await self._each(
+                live,
+                lambda r: self._control(r).LoadWeights(
+                    rc.LoadWeightsRequest(version=version, **source), timeout=self._rpc_timeout_s
+                ),
+                failed,
+            )
+            t = mark("load_weights", t)
+            live = [r for r in targets if r not in failed]
+            updates = [
+                {"worker_id": r.worker_id, "dp_rank": rank, "weight_version": version}
+                for r in live
+                for rank in range(r.dp_size)
+            ]
+            if updates:
+                result = await self._post("/workers/update_weight_version", updates)
+                if result["rejected"] or result["updated"] != len(updates):
+                    raise SyncError(f"router rejected the version update: {result}")
+            t = mark("publish_version", t)
+            await self._each(
+                live,
+                lambda r: self._control(r).ResumeGeneration(rc.ResumeGenerationRequest(), timeout=self._rpc_timeout_s),
+                failed,
+            )
+            t = mark("resume_replicas", t)
+        except BaseException:
+            await self._fail(targets, "sync aborted")
+            await self.resume_routing()
+            raise
+        if failed:
+            await self._fail(failed, "weight sync failed on this replica")
+        await self.resume_routing()
+        mark("resume_routing", t)
+        if failed:
+            raise SyncError(
+                f"sync to version {version} failed on {[r.worker_id for r in failed]}", [r.worker_id for r in failed]
+            )
+        return SyncReport(version, [r.worker_id for r in targets], aborted, loop.time() - start, phases)
+
+    async def _each(self, replicas: Sequence[ReplicaHandle], rpc, failed: list[ReplicaHandle]) -> list[Any]:
+        """Run an RPC on every replica at once; a replica whose call fails joins `failed`."""
+        results = await asyncio.gather(*(rpc(r) for r in replicas), return_exceptions=True)
+        out: list[Any] = []
+        for replica, result in zip(replicas, results):
+            if isinstance(result, BaseException):
+                logger.error("replica %s failed during the sync: %s", replica.worker_id, result)
+                if replica not in failed:
+                    failed.append(replica)
+                out.append(None)
+            else:
+                out.append(result)
+        return out
+
+    async def _fail(self, replicas: Sequence[ReplicaHandle], reason: str) -> None:
+        """Keep failed replicas out of rotation: FailSync on them (best effort) and /workers/pause."""
+        await asyncio.gather(
+            *(self._control(r).FailSync(rc.FailSyncRequest(reason=reason), timeout=5.0) for r in replicas),
+            return_exceptions=True,
+        )
+        await self._post("/workers/pause", [{"base_worker_id": r.worker_id} for r in replicas])
+
+    # ---- stats --------------------------------------------------------------------------------------------
+
+    async def push_stats(self, replicas: Sequence[ReplicaHandle] | None = None) -> dict[str, Any]:
+        """One round: each replica's GetLoads per rank, pushed to /workers/update_stats."""
+        targets = list(replicas) if replicas is not None else await self.replicas()
+        entries = []
+        for replica in targets:
+            stub = vllm_engine_pb2_grpc.VllmEngineStub(self._channel(replica.target))
+            try:
+                loads = await stub.GetLoads(vllm_engine_pb2.GetLoadsRequest(), timeout=self._rpc_timeout_s)
+            except grpc.aio.AioRpcError as e:
+                logger.warning("no loads from %s: %s", replica.worker_id, e.code())
+                continue
+            now = datetime.now(UTC).isoformat().replace("+00:00", "Z")
+            for load in loads.loads:
+                entries.append(
+                    {
+                        "worker_id": replica.worker_id,
+                        "dp_rank": load.dp_rank,
+                        "timestamp": now,
+                        "scheduler_stats": {
+                            "num_running_reqs": load.num_running_reqs,
+                            "num_waiting_reqs": load.num_waiting_reqs,
+                            "kv_cache_usage": load.token_usage,
+                        },
+                    }
+                )
+        if not entries:
+            return {"total": 0, "updated": 0, "rejected": 0, "stale_ignored": 0, "results": []}
+        return await self._post("/workers/update_stats", entries)
+
+    async def push_stats_forever(self, interval_s: float = 0.5) -> None:
+        """Run until cancelled (PSRL's coordinator_sync_interval_in_ms)."""
+        while True:
+            try:
+                await self.push_stats()
+            except (httpx.HTTPError, grpc.aio.AioRpcError) as e:
+                logger.warning("stats push failed: %s", e)
+            await asyncio.sleep(interval_s)
+
+
+class BlockingRolloutCoordinator:
+    """The same client for plain (non-asyncio) training code: runs its own event loop in a thread."""
+
+    def __init__(self, router_url: str, **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="psrl-coordinator", daemon=True)
+        self._thread.start()
+        self._inner: RolloutCoordinator = self._run(self._make(router_url, kwargs))
+
+    @staticmethod
+    async def _make(router_url: str, kwargs: dict[str, Any]) -> RolloutCoordinator:
+        return RolloutCoordinator(router_url, **kwargs)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def sync_weights(self, version: int, **kwargs: Any) -> SyncReport:
+        return self._run(self._inner.sync_weights(version, **kwargs))
+
+    def push_stats(self) -> dict[str, Any]:
+        return self._run(self._inner.push_stats())
+
+    def replicas(self) -> list[ReplicaHandle]:
+        return self._run(self._inner.replicas())
+
+    def close(self) -> None:
+        self._run(self._inner.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> BlockingRolloutCoordinator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,29 @@
+"""What crosses the engine boundary during a weight sync: the pause modes and the requests a pause aborted."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class PauseMode(enum.Enum):
+    """vLLM's `pause_generation(mode=...)`: what happens to the requests in flight when a sync pauses."""
+
+    ABORT = "abort"  # end them now; each stream gets an "abort" output carrying what it produced
+    WAIT = "wait"  # let them finish normally (new ones are refused meanwhile)
+    KEEP = "keep"  # freeze them, KV and all, until resume
+
+
+@dataclass(frozen=True)
+class SyncAbortedRequest:
+    """A request a sync pause aborted, as it stood at that moment (before its KV blocks were freed)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # prompt + output so far
+    num_prompt_tokens: int
+    num_computed_tokens: int  # leading tokens whose K/V are in block_ids
+    block_ids: tuple[int, ...]
+
+    @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        return self.token_ids[self.num_prompt_tokens :]

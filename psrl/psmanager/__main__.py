@@ -1,0 +1,3 @@
+from psrl.psmanager.server import main
+
+main()
