@@ -30,6 +30,10 @@ class GatewayConfig:
     tokenizer_path: str | None = None
     api_key: str | None = None
     admin_api_key: str | None = None
+    # As PSRL launches it: the routing loop on, the psrl selector (the router's default), and an optional
+    # PSManager ("" disables selection stage 4).
+    enable_routing_loop: bool = True
+    psrl_ps_manager_addr: str = ""
     router_args: list[str] = field(default_factory=list)  # extra `python -m psrl.router` flags, passed as given
     # The embedded default, used only when worker_urls is empty.
     embedded_model: str | None = None  # a model folder; default: the tiny one built locally
@@ -81,6 +85,10 @@ class RolloutGateway:
         args = ["--host", cfg.host, "--port", str(port), "--policy", cfg.policy]
         if cfg.worker_urls:
             args += ["--worker-urls", *cfg.worker_urls]
+        if cfg.enable_routing_loop:
+            args.append("--enable-routing-loop")
+        if cfg.psrl_ps_manager_addr:
+            args += ["--psrl-ps-manager-addr", cfg.psrl_ps_manager_addr]
         for flag, value in (
             ("--tokenizer-path", cfg.tokenizer_path),
             ("--api-key", cfg.api_key),
@@ -212,6 +220,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--embedded-model")
     p.add_argument("--embedded-dp-sizes", type=int, nargs="+")
     p.add_argument("--log-dir")
+    p.add_argument("--enable-routing-loop", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--psrl-ps-manager-addr")
     p.add_argument("--router-args", nargs=argparse.REMAINDER, help="everything after it goes to the router")
     ns = vars(p.parse_args(argv))
     config_path = ns.pop("config")
