@@ -106,7 +106,7 @@ def test_many_requests_survive_ten_syncs_with_real_weight_changes(fleet) -> None
         results: list[tuple[int, int, httpx.Response]] = []
 
         async def one(client: httpx.AsyncClient, rid: int) -> None:
-            n = rng.randint(20, 120)
+            n = rng.randint(100, 200)
             floor = current if rid % 3 == 0 else None  # a third carry the version current when sent
             prompt = [rng.randrange(1, 600) for _ in range(rng.randint(3, 40))]
             r = await client.post("/generate", json=_body(n, prompt), headers=_psrl(rid, floor))
@@ -117,6 +117,8 @@ def test_many_requests_survive_ten_syncs_with_real_weight_changes(fleet) -> None
             RolloutCoordinator(router.url) as coordinator,
         ):
             load = [asyncio.ensure_future(one(client, 1000 + i)) for i in range(64)]
+            while (await client.get("/routing_loop/status")).json()["running_request_num"] < 32:
+                await asyncio.sleep(0.02)
             for version in range(1, 11):
                 await asyncio.sleep(0.25)
                 await coordinator.sync_weights(version, seed=version)
