@@ -96,3 +96,8 @@ def apply(state: CacheState, events: list[KvEvent]) -> None:
                 assert blk.block_hash not in state
                 state[blk.block_hash] = (parent, blk.token_ids)
                 parent = blk.block_hash
+
+
+async def collect(stream) -> list[RequestOutput]:
+    """Every output of an AsyncEngine stream."""
+    return [out async for out in stream]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
 
@@ -13,22 +12,10 @@ from psrl.engine import (
     EmptyPromptError,
     EngineDeadError,
     EngineStepError,
-    RequestOutput,
     SamplingOptions,
 )
 
-from .helpers import greedy, make_engine, prompts, run
-
-
-@pytest.fixture
-def aengine() -> Iterator[AsyncEngine]:
-    engine = AsyncEngine(make_engine())
-    yield engine
-    engine.shutdown()
-
-
-async def collect(stream) -> list[RequestOutput]:
-    return [out async for out in stream]
+from .helpers import collect, greedy, make_engine, prompts, run
 
 
 async def wait_idle(aengine: AsyncEngine) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
 
@@ -17,18 +16,7 @@ from psrl.engine import (
     SyncAbortedRequest,
 )
 
-from .helpers import drain, greedy, make_engine, prompts, run
-
-
-@pytest.fixture
-def aengine() -> Iterator[AsyncEngine]:
-    engine = AsyncEngine(make_engine())
-    yield engine
-    engine.shutdown()
-
-
-async def collect(stream) -> list[RequestOutput]:
-    return [out async for out in stream]
+from .helpers import collect, drain, greedy, make_engine, prompts, run
 
 
 def ids(outs: list[RequestOutput]) -> list[int]:
