@@ -39,6 +39,7 @@ from psrl.router.pipeline.execute import Delta
 from psrl.router.pipeline.prepare import chat_prompt_ids, new_request_id, text_prompt_ids
 from psrl.router.pipeline.select import resolve_model
 from psrl.router.pipeline.stream import sse_stream
+from psrl.router.pipeline.tool_calls import ParsedOutput, make_tool_parser
 from psrl.router.policies import KvEventIndex, SelectionRequest, make_policy
 from psrl.router.psmanager_admission import PSManagerAdmission
 from psrl.router.registry import Worker, WorkerRegistry
@@ -93,6 +94,7 @@ class RouterApp:
                 on_commit=self._on_loop_commit,
                 on_queue_length=self.metrics_queue_length,
             )
+        self.tool_parser = make_tool_parser(config.tool_call_parser)
         self.tokenizers = TokenizerStore(self.registry, self.clients, config.tokenizer_path)
         self.dispatcher = Dispatcher(
             self.registry,
@@ -474,9 +476,11 @@ class RouterApp:
             return self._stream("/v1/chat/completions", ticket, self._chat_sse(rollout, tok, chat, rid, created, model))
         gen = await rollout.collect()
         out_text = tok.decode(gen.output_ids, skip_special_tokens=chat.sampling.skip_special_tokens)
+        # Tool calls are parsed out only when the request offered tools, as vLLM does with a parser enabled.
+        output = self.tool_parser.parse(out_text) if chat.tools else ParsedOutput(out_text or None)
         logprobs = R.chat_logprobs(tok, gen.output_ids, gen.logprobs, gen.top_logprobs) if chat.logprobs else None
         body_out = R.chat_completion(
-            request_id=rid, created=created, model=model, text=out_text, gen=gen, logprobs=logprobs
+            request_id=rid, created=created, model=model, output=output, gen=gen, logprobs=logprobs
         )
         return _json(body_out, headers=_instance_headers(ticket))
 

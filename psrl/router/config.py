@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from psrl.router.health import BreakerConfig, HealthConfig
+from psrl.router.pipeline.tool_calls import make_tool_parser
 from psrl.router.policies.cache_aware import CacheAwareConfig
 from psrl.router.routing_loop import RoutingLoopConfig
 from psrl.router.selector import SelectorConfig
@@ -39,6 +40,7 @@ class RouterConfig:
     max_payload_bytes: int = 64 << 20
     log_level: str = "info"
     log_format: str = "text"
+    tool_call_parser: str | None = None  # hermes/qwen format; None -> "qwen" (PSRL's default), "none" disables
     enable_partial_rollout: bool = True  # loop a sync-aborted request back with what it produced
     max_rollout_iterations: int = 64  # a request aborted this many times in a row fails (500)
     psrl_ps_manager_addr: str = ""  # host:port of the PSManager; "" disables selection stage 4
@@ -66,6 +68,7 @@ class RouterConfig:
         self.selector.validate()
         self.cache_aware.validate()
         self.routing_loop.validate()
+        make_tool_parser(self.tool_call_parser)  # raises on an unknown parser name
         if self.max_rollout_iterations < 1 or self.psmanager_rpc_timeout_s <= 0:
             raise ValueError("max_rollout_iterations must be >= 1 and psmanager_rpc_timeout_s positive")
 
@@ -139,6 +142,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--load-poll-interval-s", type=float)
     p.add_argument("--enable-kv-events", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--max-payload-bytes", type=int)
+    p.add_argument("--tool-call-parser", help="hermes | qwen (default) | none")
     p.add_argument("--enable-partial-rollout", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--max-rollout-iterations", type=int)
     p.add_argument("--psrl-ps-manager-addr", help="PSManager host:port; empty disables selection stage 4")

@@ -159,3 +159,20 @@ def test_round_robin_spreads_over_both_ranks(router, model_name) -> None:
         )
         ranks.add(r.headers["x-target-dp-rank"])
     assert ranks == {"0", "1"}
+
+
+def test_tool_calls_are_parsed_when_tools_are_offered(router, model_name, tokenizer) -> None:
+    """Tools render through the template and the reply goes through the tool-call parser (the random model
+    does not call tools, so what it says stays content; the parsing itself is tested in test_tool_calls)."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    body = {
+        "model": model_name,
+        "messages": [{"role": "user", "content": "weather?"}],
+        "tools": tools,
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    r = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert message["role"] == "assistant" and isinstance(message["tool_calls"], list)

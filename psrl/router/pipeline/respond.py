@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from psrl.router.pipeline.context import Generation
+from psrl.router.pipeline.tool_calls import ParsedOutput
 from psrl.tokenizer import Tokenizer
 
 
@@ -56,21 +57,25 @@ def chat_logprobs(
 
 
 def chat_completion(
-    *, request_id: str, created: int, model: str, text: str, gen: Generation, logprobs: dict[str, Any] | None
+    *,
+    request_id: str,
+    created: int,
+    model: str,
+    output: ParsedOutput,
+    gen: Generation,
+    logprobs: dict[str, Any] | None,
 ) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": output.content, "tool_calls": output.tool_calls}
+    if output.reasoning_content is not None:
+        message["reasoning_content"] = output.reasoning_content
+    # OpenAI reports a turn that ended by calling tools as finish_reason "tool_calls".
+    finish = "tool_calls" if output.tool_calls and gen.finish_reason == "stop" else gen.finish_reason
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "tool_calls": []},
-                "logprobs": logprobs,
-                "finish_reason": gen.finish_reason,
-            }
-        ],
+        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
         "usage": usage(gen),
     }
 
