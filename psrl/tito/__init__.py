@@ -1,5 +1,17 @@
 """TITO: token-in, token-out session records and the training arrays built from them."""
 
+from psrl.tito.session import (
+    InvalidTurn,
+    PreparedTurn,
+    SessionNotFound,
+    TemplateRenderError,
+    TitoError,
+    TitoStore,
+    TooManySessions,
+    TooManyTurns,
+    TurnNotPrepared,
+    TurnNotRecorded,
+)
 from psrl.tito.training import (
     TrainingArrays,
     TrainingDataError,
@@ -8,8 +20,18 @@ from psrl.tito.training import (
 )
 
 __all__ = [
+    "InvalidTurn",
+    "PreparedTurn",
+    "SessionNotFound",
+    "TemplateRenderError",
+    "TitoError",
+    "TitoStore",
+    "TooManySessions",
+    "TooManyTurns",
     "TrainingArrays",
     "TrainingDataError",
+    "TurnNotPrepared",
+    "TurnNotRecorded",
     "build_all_training_arrays",
     "build_training_arrays",
 ]

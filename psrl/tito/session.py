@@ -1,0 +1,589 @@
+"""The TITO session store: per session, the exact token ids each turn was prompted with and sampled.
+
+A third-party agent resends its whole chat history every turn; the store turns that history into a prompt
+that reuses the ids already recorded for the conversation (the model's sampled ids are never re-tokenized)
+and tokenizes only the new suffix. Pure logic, no I/O; the router calls it from its chat pipeline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import secrets
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from psrl.tokenizer import ChatTemplateError, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+# --- errors ------------------------------------------------------------------------------------------------
+
+
+class TitoError(ValueError):
+    """A TITO request the store refuses; `code` names the reason for the router's error mapping."""
+
+    code = "tito_error"
+
+
+class SessionNotFound(TitoError):
+    code = "session_not_found"
+
+
+class TooManySessions(TitoError):
+    code = "too_many_sessions"
+
+
+class TooManyTurns(TitoError):
+    code = "too_many_turns"
+
+
+class TurnNotRecorded(TitoError):
+    """A turn was prepared on the trajectory and neither recorded nor abandoned."""
+
+    code = "turn_not_recorded"
+
+
+class TurnNotPrepared(TitoError):
+    """record_turn got a PreparedTurn that is not the trajectory's pending one."""
+
+    code = "turn_not_prepared"
+
+
+class InvalidTurn(TitoError):
+    code = "invalid_turn"
+
+
+class TemplateRenderError(TitoError):
+    code = "template_error"
+
+
+# --- what crosses the boundary -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedTurn:
+    """The prompt for one turn, to be sent to the model and then passed back to record_turn.
+
+    `parent_node_id` is the recorded turn this one continues (None: a new root, fully tokenized);
+    `reused_tokens` ids of `prompt_ids` are that path's canonical ids, the rest is the new suffix.
+    `branched` says the turn does not continue the trajectory's latest turn (a history rewrite, or a
+    trajectory that starts from another one's node).
+    """
+
+    session_id: str
+    trajectory_id: int
+    prompt_ids: list[int]
+    parent_node_id: int | None
+    reused_tokens: int
+    branched: bool
+    mismatch_report: list[dict[str, Any]] = field(default_factory=list)
+    prompt_hash: str = field(default="", repr=False)
+    num_messages: int = field(default=0, repr=False)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.prompt_ids) - self.reused_tokens
+
+
+@dataclass(eq=False)
+class _Node:
+    """One recorded turn: the prompt ids it added after its parent's ids, and the ids the model sampled."""
+
+    id: int
+    parent: int | None
+    prompt_hash: str  # chain hash of the normalized messages the turn was prompted with
+    num_messages: int
+    prompt_token_count: int  # len of the whole prompt (the parent path's ids + new_prompt_ids)
+    new_prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float] | None
+    finish_reason: str | None
+    weight_version: int | None
+    token_versions: list[int | None] | None
+    mismatch_report: list[dict[str, Any]]
+    assistant_hash: str | None = None  # chain hash through the assistant message, when the router gave it
+
+
+@dataclass(eq=False)
+class _Trajectory:
+    id: int
+    leaf: int | None = None
+    dead_leaves: list[int] = field(default_factory=list)  # leaves left behind by history rewrites
+    pending: PreparedTurn | None = None
+
+
+@dataclass(eq=False)
+class _Session:
+    id: str
+    nodes: dict[int, _Node] = field(default_factory=dict)
+    by_prompt_hash: dict[str, list[int]] = field(default_factory=dict)
+    trajectories: dict[int, _Trajectory] = field(default_factory=dict)
+    next_node_id: int = 0
+    turns_recorded: int = 0
+
+    def path(self, node_id: int | None) -> list[_Node]:
+        """Nodes root -> node_id."""
+        out: list[_Node] = []
+        while node_id is not None:
+            node = self.nodes[node_id]
+            out.append(node)
+            node_id = node.parent
+        out.reverse()
+        return out
+
+    def path_ids(self, node_id: int | None) -> list[int]:
+        ids: list[int] = []
+        for node in self.path(node_id):
+            ids += node.new_prompt_ids
+            ids += node.output_ids
+        return ids
+
+
+# --- the store ---------------------------------------------------------------------------------------------
+
+
+class TitoStore:
+    """Sessions of token-exact turns. One lock guards the store; every method is synchronous and bounded."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        max_sessions: int = 10000,
+        max_turns_per_session: int = 1000,
+        gc_threshold: int = 0,
+        max_trim_tokens: int = 0,
+        debug: bool = False,
+        drop_dead_leaves: bool = False,
+    ) -> None:
+        for name, value in (
+            ("max_sessions", max_sessions),
+            ("max_turns_per_session", max_turns_per_session),
+            ("gc_threshold", gc_threshold),
+            ("max_trim_tokens", max_trim_tokens),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        self.tokenizer = tokenizer
+        self.max_sessions = max_sessions
+        self.max_turns_per_session = max_turns_per_session
+        self.gc_threshold = gc_threshold
+        self.max_trim_tokens = max_trim_tokens
+        self.debug = debug
+        self.drop_dead_leaves = drop_dead_leaves
+        self._sessions: dict[str, _Session] = {}
+        self._lock = threading.Lock()
+        self._eos_ids = frozenset(tokenizer.eos_token_ids)
+        # The end-of-turn texts the template may write after an assistant message, longest first.
+        texts = {tokenizer.decode([i], skip_special_tokens=False) for i in tokenizer.eos_token_ids}
+        self._eot_texts = sorted((t for t in texts if t), key=len, reverse=True)
+
+    # ---- sessions ---------------------------------------------------------------------------------------
+
+    def create_session(self) -> str:
+        with self._lock:
+            if len(self._sessions) >= self.max_sessions:
+                raise TooManySessions(f"the TITO store already holds max_sessions={self.max_sessions} sessions")
+            sid = secrets.token_urlsafe(18)
+            self._sessions[sid] = _Session(sid)
+            return sid
+
+    def delete_session(self, sid: str) -> None:
+        with self._lock:
+            if self._sessions.pop(sid, None) is None:
+                raise SessionNotFound(f"TITO session {sid!r} not found")
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, sid: object) -> bool:
+        return sid in self._sessions
+
+    def num_nodes(self, sid: str) -> int:
+        with self._lock:
+            return len(self._session(sid).nodes)
+
+    # ---- turns ------------------------------------------------------------------------------------------
+
+    def prepare_turn(
+        self,
+        sid: str,
+        trajectory_id: int,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> PreparedTurn:
+        """The prompt ids for the next turn of `trajectory_id`; it stays pending until record_turn."""
+        with self._lock:
+            session = self._session(sid)
+            _check_trajectory_id(trajectory_id)
+            traj = session.trajectories.get(trajectory_id)
+            if traj is not None and traj.pending is not None:
+                raise TurnNotRecorded(
+                    f"TITO session {sid!r} trajectory {trajectory_id}: the previous turn was prepared but not "
+                    "recorded; record (or abandon) it before preparing the next"
+                )
+            if session.turns_recorded >= self.max_turns_per_session:
+                raise TooManyTurns(f"TITO session {sid!r} reached max_turns_per_session={self.max_turns_per_session}")
+            msgs = _check_messages(messages)
+            tool_list = [dict(t) for t in tools] if tools else None
+            kwargs = dict(template_kwargs or {})
+            chain = _chain_hashes(msgs, tool_list, kwargs)
+            full = self._render(msgs, True, tool_list, kwargs)
+
+            report: list[dict[str, Any]] = []
+            parent = self._find_parent(session, traj, msgs, chain)
+            base: list[int] = []
+            new_ids: list[int] | None = None
+            if parent is not None:
+                suffix = self._suffix_text(parent, msgs, full, tool_list, kwargs)
+                if suffix is None:
+                    report.append(
+                        {
+                            "mismatch_type": "template_not_prefix_stable",
+                            "position": 0,
+                            "detail": f"the render of the conversation up to node {parent.id} is not a prefix of "
+                            "the full render; tokenized the whole prompt as a new root",
+                        }
+                    )
+                    logger.warning("TITO session %s: template not prefix-stable, full re-tokenization", sid)
+                    parent = None
+                else:
+                    base = session.path_ids(parent.id)
+                    new_ids = self.tokenizer.encode(suffix)
+            if new_ids is None:
+                new_ids = self.tokenizer.encode(full)
+            prompt_ids = base + new_ids
+            if self.debug:
+                report += _compare_ids(prompt_ids, self.tokenizer.encode(full))
+
+            parent_id = parent.id if parent is not None else None
+            leaf = traj.leaf if traj is not None else None
+            prepared = PreparedTurn(
+                session_id=sid,
+                trajectory_id=trajectory_id,
+                prompt_ids=prompt_ids,
+                parent_node_id=parent_id,
+                reused_tokens=len(base),
+                branched=parent_id != leaf and (parent_id is not None or leaf is not None),
+                mismatch_report=report,
+                prompt_hash=chain[len(msgs)],
+                num_messages=len(msgs),
+            )
+            if traj is None:
+                traj = session.trajectories[trajectory_id] = _Trajectory(trajectory_id)
+            traj.pending = prepared
+            return prepared
+
+    def record_turn(
+        self,
+        sid: str,
+        trajectory_id: int,
+        prepared: PreparedTurn,
+        *,
+        output_ids: Sequence[int],
+        output_logprobs: Sequence[float] | None,
+        finish_reason: str | None,
+        weight_version: int | None = None,
+        token_versions: Sequence[int | None] | None = None,
+        assistant_message: Mapping[str, Any] | None = None,
+    ) -> int:
+        """Record what the model sampled for `prepared`; returns the new node's id.
+
+        `assistant_message`, when given, is the message the router built from the output: a later turn then
+        continues this node only if it echoes that message unchanged.
+        """
+        with self._lock:
+            session = self._session(sid)
+            traj = session.trajectories.get(trajectory_id)
+            if traj is None or traj.pending is None or traj.pending is not prepared:
+                raise TurnNotPrepared(
+                    f"TITO session {sid!r} trajectory {trajectory_id}: this turn is not the one pending "
+                    "(prepare_turn first, and record each prepared turn once)"
+                )
+            out = [int(i) for i in output_ids]
+            lps = None if output_logprobs is None else [float(p) for p in output_logprobs]
+            if lps is not None and len(lps) != len(out):
+                raise InvalidTurn(f"{len(lps)} output_logprobs for {len(out)} output_ids")
+            versions = None if token_versions is None else list(token_versions)
+            if versions is not None and len(versions) != len(out):
+                raise InvalidTurn(f"{len(versions)} token_versions for {len(out)} output_ids")
+
+            parent = prepared.parent_node_id
+            node = _Node(
+                id=session.next_node_id,
+                parent=parent,
+                prompt_hash=prepared.prompt_hash,
+                num_messages=prepared.num_messages,
+                prompt_token_count=len(prepared.prompt_ids),
+                new_prompt_ids=prepared.prompt_ids[prepared.reused_tokens :],
+                output_ids=out,
+                output_logprobs=lps,
+                finish_reason=finish_reason,
+                weight_version=weight_version,
+                token_versions=versions,
+                mismatch_report=list(prepared.mismatch_report),
+            )
+            if assistant_message is not None:
+                node.assistant_hash = _chain_step(prepared.prompt_hash, _normalize(dict(assistant_message)))
+            session.next_node_id += 1
+            session.nodes[node.id] = node
+            session.by_prompt_hash.setdefault(node.prompt_hash, []).append(node.id)
+            session.turns_recorded += 1
+
+            old_leaf = traj.leaf
+            if old_leaf is not None and old_leaf != parent and old_leaf not in _ancestors(session, parent):
+                traj.dead_leaves.append(old_leaf)
+            traj.leaf = node.id
+            traj.pending = None
+            if self.drop_dead_leaves:
+                traj.dead_leaves.clear()
+            if len(session.nodes) > self.gc_threshold:
+                self._collect_garbage(session)
+            return node.id
+
+    def abandon_turn(self, sid: str, trajectory_id: int) -> None:
+        """Forget the pending prepared turn (the generation failed); the trajectory stays as it was."""
+        with self._lock:
+            session = self._session(sid)
+            traj = session.trajectories.get(trajectory_id)
+            if traj is None:
+                return
+            traj.pending = None
+            if traj.leaf is None and not traj.dead_leaves:
+                del session.trajectories[trajectory_id]
+
+    # ---- snapshot ---------------------------------------------------------------------------------------
+
+    def snapshot(self, sid: str) -> dict[str, Any]:
+        """COMPAT section 6's GET /tito/sessions/{sid} body (trajectories sorted by id, plus the tree)."""
+        with self._lock:
+            session = self._session(sid)
+            trajectories = []
+            leaves = []
+            through: dict[int, list[int]] = {}
+            for tid in sorted(session.trajectories):
+                traj = session.trajectories[tid]
+                path = session.path(traj.leaf)
+                trajectories.append(
+                    {
+                        "trajectory_id": tid,
+                        "accumulated_token_ids": session.path_ids(traj.leaf),
+                        "records": [_record(n) for n in path],
+                    }
+                )
+                for node in path:
+                    through.setdefault(node.id, []).append(tid)
+                if traj.leaf is not None:
+                    leaves.append(_leaf(session, tid, traj.leaf, dead=False))
+                leaves += [_leaf(session, tid, d, dead=True) for d in traj.dead_leaves]
+            nodes = [
+                {
+                    "id": n.id,
+                    "hash": n.prompt_hash,
+                    "parent": n.parent,
+                    "finish_reason": n.finish_reason,
+                    "truncated": n.finish_reason == "length",
+                    "num_tokens": n.prompt_token_count + len(n.output_ids),
+                    "trajectory_ids": through.get(n.id, []),
+                }
+                for n in sorted(session.nodes.values(), key=lambda n: n.id)
+            ]
+            return {
+                "session_id": sid,
+                "max_trim_tokens": self.max_trim_tokens,
+                "trajectories": trajectories,
+                "tree": {"nodes": nodes, "leaves": leaves},
+            }
+
+    # ---- internals --------------------------------------------------------------------------------------
+
+    def _session(self, sid: str) -> _Session:
+        session = self._sessions.get(sid)
+        if session is None:
+            raise SessionNotFound(f"TITO session {sid!r} not found")
+        return session
+
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any],
+    ) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
+            )
+        except ChatTemplateError as exc:
+            raise TemplateRenderError(str(exc)) from exc
+
+    def _find_parent(
+        self, session: _Session, traj: _Trajectory | None, msgs: list[dict[str, Any]], chain: list[str]
+    ) -> _Node | None:
+        """The deepest recorded turn whose prompt messages + its assistant reply are a prefix of `msgs`."""
+        own_path = {n.id for n in session.path(traj.leaf)} if traj is not None else set()
+        for n in range(len(msgs) - 1, 0, -1):
+            if msgs[n].get("role") != "assistant":
+                continue
+            candidates = [
+                session.nodes[i]
+                for i in session.by_prompt_hash.get(chain[n], ())
+                if session.nodes[i].assistant_hash in (None, chain[n + 1])
+            ]
+            if candidates:
+                # Two turns may share a prompt (samples of one prompt); prefer this trajectory's own, then the newest.
+                return max(candidates, key=lambda node: (node.id in own_path, node.id))
+        return None
+
+    def _suffix_text(
+        self,
+        parent: _Node,
+        msgs: list[dict[str, Any]],
+        full: str,
+        tools: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any],
+    ) -> str | None:
+        """The text of `full` after what the model sampled in `parent`; None when the template is not prefix-stable.
+
+        ChatML renders an assistant turn as `...<|im_end|>\\n` while the model stops after `<|im_end|>`: the
+        suffix starts right after the end-of-turn text when the output ended with it, and at the end-of-turn
+        text when it did not (a length cut), so that the template's own closing is still added.
+        """
+        n = parent.num_messages
+        before = self._render(msgs[:n], True, tools, kwargs)
+        through = self._render(msgs[: n + 1], False, tools, kwargs)
+        if not full.startswith(through):
+            return None
+        start = len(before) if through.startswith(before) else 0
+        cut, eot = len(through), ""
+        best = -1
+        for text in self._eot_texts:
+            pos = through.rfind(text, start)
+            if pos > best:
+                best, eot = pos, text
+        if best >= 0:
+            out = parent.output_ids
+            ended = bool(out) and out[-1] in self._eos_ids and self.tokenizer.decode(out[-1:], False) == eot
+            cut = best + len(eot) if ended else best
+        return full[cut:]
+
+    def _collect_garbage(self, session: _Session) -> None:
+        """Drop nodes no live leaf (kept dead leaves and pending turns' parents included) reaches."""
+        roots: list[int | None] = []
+        for traj in session.trajectories.values():
+            roots.append(traj.leaf)
+            roots += traj.dead_leaves
+            if traj.pending is not None:
+                roots.append(traj.pending.parent_node_id)
+        keep: set[int] = set()
+        for node_id in roots:
+            while node_id is not None and node_id not in keep:
+                keep.add(node_id)
+                node_id = session.nodes[node_id].parent
+        if len(keep) == len(session.nodes):
+            return
+        for node_id in [i for i in session.nodes if i not in keep]:
+            node = session.nodes.pop(node_id)
+            same = session.by_prompt_hash[node.prompt_hash]
+            same.remove(node_id)
+            if not same:
+                del session.by_prompt_hash[node.prompt_hash]
+
+
+# --- helpers -----------------------------------------------------------------------------------------------
+
+
+def _check_trajectory_id(trajectory_id: Any) -> None:
+    if isinstance(trajectory_id, bool) or not isinstance(trajectory_id, int) or trajectory_id < 0:
+        raise InvalidTurn(f"trajectory_id must be a non-negative int, got {trajectory_id!r}")
+
+
+def _check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    if not messages:
+        raise InvalidTurn("messages must be a non-empty list")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise InvalidTurn(f"message {i} must be a dict with a string `role`")
+        out.append(dict(message))
+    return out
+
+
+def _normalize(value: Any) -> Any:
+    """Drop None-valued keys: agents echo `"content": null` or leave it out, and the template reads both alike."""
+    if isinstance(value, Mapping):
+        return {str(k): _normalize(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list | tuple):
+        return [_normalize(v) for v in value]
+    return value
+
+
+def _chain_step(previous: str, message: Any) -> str:
+    text = json.dumps(message, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
+    return hashlib.sha256(previous.encode() + b"\x00" + text.encode()).hexdigest()
+
+
+def _chain_hashes(msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> list[str]:
+    """chain[i] identifies msgs[:i] under these tools and template kwargs (which change every render)."""
+    chain = [_chain_step("", _normalize({"tools": tools, "template_kwargs": kwargs}))]
+    for message in msgs:
+        chain.append(_chain_step(chain[-1], _normalize(message)))
+    return chain
+
+
+def _ancestors(session: _Session, node_id: int | None) -> set[int]:
+    return {n.id for n in session.path(node_id)}
+
+
+def _compare_ids(incremental: list[int], full: list[int]) -> list[dict[str, Any]]:
+    """The debug validator: where the incremental prompt departs from a full re-tokenization of the render."""
+    if incremental == full:
+        return []
+    position = next((i for i, (a, b) in enumerate(zip(incremental, full)) if a != b), None)
+    if position is None:
+        return [
+            {
+                "mismatch_type": "length_mismatch",
+                "position": min(len(incremental), len(full)),
+                "detail": f"incremental prompt has {len(incremental)} tokens, full re-tokenization {len(full)}",
+            }
+        ]
+    return [
+        {
+            "mismatch_type": "token_mismatch",
+            "position": position,
+            "detail": f"incremental {incremental[position : position + 8]} != re-tokenized "
+            f"{full[position : position + 8]} (lengths {len(incremental)} vs {len(full)})",
+        }
+    ]
+
+
+def _record(node: _Node) -> dict[str, Any]:
+    lps = node.output_logprobs
+    return {
+        "prompt_token_count": node.prompt_token_count,
+        "output_logprobs": None if lps is None else [[lp, tok] for lp, tok in zip(lps, node.output_ids)],
+        "finish_reason": node.finish_reason,
+        "mismatch_report": list(node.mismatch_report),
+        "routed_experts": None,
+        "weight_version": node.weight_version,
+        "output_token_versions": None if node.token_versions is None else list(node.token_versions),
+    }
+
+
+def _leaf(session: _Session, tid: int, node_id: int, *, dead: bool) -> dict[str, Any]:
+    path = [n.id for n in session.path(node_id)]
+    return {
+        "trajectory_id": tid,
+        "node_id": node_id,
+        "parent": session.nodes[node_id].parent,
+        "path_node_ids": path,
+        "dead": dead,
+    }

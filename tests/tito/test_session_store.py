@@ -1,0 +1,433 @@
+"""psrl.tito.TitoStore: incremental prompts over the tiny ChatML template, branches, limits, GC, snapshots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from psrl.tito import (
+    InvalidTurn,
+    PreparedTurn,
+    SessionNotFound,
+    TitoError,
+    TitoStore,
+    TooManySessions,
+    TooManyTurns,
+    TurnNotPrepared,
+    TurnNotRecorded,
+    build_all_training_arrays,
+    build_training_arrays,
+)
+from psrl.tokenizer import Tokenizer, build_tiny_tokenizer
+
+EOT = "<|im_end|>"
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "read_file", "description": "Read a file", "parameters": {"type": "object"}},
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    folder: Path = build_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+    return Tokenizer.from_folder(folder)
+
+
+def user(text: str) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str | None, *calls: tuple[str, dict[str, Any]]) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        msg["tool_calls"] = [
+            {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": args}}
+            for i, (name, args) in enumerate(calls)
+        ]
+    return msg
+
+
+def tool(text: str) -> dict[str, Any]:
+    return {"role": "tool", "content": text}
+
+
+def exact_output(tok: Tokenizer, prior: list[dict[str, Any]], reply: dict[str, Any], **kw: Any) -> list[int]:
+    """The ids of the template's own rendering of `reply` up to and including <|im_end|> (what the model samples)."""
+    before = tok.apply_chat_template(prior, add_generation_prompt=True, **kw)
+    through = tok.apply_chat_template([*prior, reply], add_generation_prompt=False, **kw)
+    assert through.startswith(before)
+    text = through[len(before) :]
+    assert text.endswith(EOT + "\n")
+    return tok.encode(text[:-1])
+
+
+def record(
+    store: TitoStore, sid: str, tid: int, prepared: PreparedTurn, out: list[int], finish_reason: str = "stop", **kw: Any
+) -> int:
+    lps = [-(j + 1) / 100 for j in range(len(out))]
+    return store.record_turn(sid, tid, prepared, output_ids=out, output_logprobs=lps, finish_reason=finish_reason, **kw)
+
+
+def turn_script() -> list[tuple[list[dict[str, Any]], dict[str, Any]]]:
+    """8 turns: (the messages the agent adds before the turn, the assistant reply)."""
+    return [
+        ([{"role": "system", "content": "You are a helpful assistant."}, user("Hello! How are you today?")],
+         assistant("I am fine, thank you.")),
+        ([user("Please call the tool to read the file.")],
+         assistant(None, ("read_file", {"path": "/testbed/README.md"}))),
+        ([tool("The quick brown fox jumps over the lazy dog.")],
+         assistant("It says the fox jumps.", ("read_file", {"path": "/testbed/a.py"}), ("read_file", {"path": "b"}))),
+        ([tool("def add(a, b):\n    return a + b"), tool("print(42)")],
+         assistant("The answer is 42.")),
+        ([user("What is the weather in Paris?")],
+         assistant("It is sunny and warm.")),
+        ([user("One, two, three?")],
+         assistant("four, five, six.")),
+        ([user("Summarize what it says in one short paragraph.")],
+         assistant(None, ("read_file", {"path": "/testbed/README.md"}))),
+        ([tool("Water boils at one hundred degrees.")],
+         assistant("Water boils at one hundred degrees.")),
+    ]  # fmt: skip
+
+
+# --- incremental prompts -------------------------------------------------------------------------------------
+
+
+def test_eight_turns_reuse_canonical_ids_and_tokenize_only_the_suffix(tok: Tokenizer) -> None:
+    store = TitoStore(tok, debug=True)
+    sid = store.create_session()
+    messages: list[dict[str, Any]] = []
+    canonical: list[int] = []
+    prev_text = ""  # the prompt text of the previous turn + the text the model sampled
+    outputs: list[list[int]] = []
+    env: list[int] = []
+    for i, (added, reply) in enumerate(turn_script()):
+        messages += added
+        prepared = store.prepare_turn(sid, 0, messages, tools=TOOLS)
+        full = tok.apply_chat_template(messages, add_generation_prompt=True, tools=TOOLS)
+        if i == 0:
+            assert prepared.parent_node_id is None and prepared.reused_tokens == 0
+            assert prepared.prompt_ids == tok.encode(full)
+        else:
+            assert prepared.parent_node_id == i - 1 and not prepared.branched
+            assert prepared.reused_tokens == len(canonical)
+            assert prepared.prompt_ids[: len(canonical)] == canonical
+            # The suffix is the rest of the render after what the model sampled, starting with ChatML's "\n".
+            assert full.startswith(prev_text)
+            suffix = full[len(prev_text) :]
+            assert suffix.startswith("\n<|im_start|>")
+            assert prepared.prompt_ids[len(canonical) :] == tok.encode(suffix)
+            env += tok.encode(suffix)
+        # The outputs are exact renderings, so the incremental prompt equals a full re-tokenization.
+        assert prepared.prompt_ids == tok.encode(full)
+        assert prepared.mismatch_report == []
+
+        out = exact_output(tok, messages, reply, tools=TOOLS)
+        assert out[-1] == tok.token_to_id(EOT)
+        record(store, sid, 0, prepared, out, weight_version=i)
+        outputs.append(out)
+        canonical = prepared.prompt_ids + out
+        prev_text = full + tok.decode(out, skip_special_tokens=False)
+        messages.append(reply)
+
+    snap = store.snapshot(sid)
+    (traj,) = snap["trajectories"]
+    assert traj["accumulated_token_ids"] == canonical
+    assert len(traj["records"]) == 8
+    assert all(r["mismatch_report"] == [] for r in traj["records"])
+
+    arrays = build_training_arrays(snap)
+    sampled = [t for out in outputs for t in out]
+    assert arrays.response_ids[arrays.response_mask == 1].tolist() == sampled
+    assert arrays.response_ids[arrays.response_mask == 0].tolist() == env
+    assert arrays.prompt_ids.tolist() == tok.encode(tok.apply_chat_template(messages[:2], tools=TOOLS))
+    expected_lps = [-(j + 1) / 100 for out in outputs for j in range(len(out))]
+    np.testing.assert_allclose(arrays.rollout_logprobs[arrays.response_mask == 1], expected_lps, rtol=1e-6)
+    assert arrays.token_versions[arrays.response_mask == 1].tolist() == [
+        i for i, out in enumerate(outputs) for _ in out
+    ]
+    assert arrays.num_turns == 8
+
+
+def test_length_cut_output_gets_the_templates_end_of_turn(tok: Tokenizer) -> None:
+    store = TitoStore(tok, debug=True)
+    sid = store.create_session()
+    first = [user("Please call the tool.")]
+    p1 = store.prepare_turn(sid, 0, first)
+    out = tok.encode("The quick brown")  # cut by max_tokens: no <|im_end|>
+    record(store, sid, 0, p1, out, finish_reason="length")
+
+    messages = [*first, assistant("The quick brown"), user("Go on.")]
+    p2 = store.prepare_turn(sid, 0, messages)
+    suffix = p2.prompt_ids[p2.reused_tokens :]
+    assert p2.prompt_ids[: p2.reused_tokens] == p1.prompt_ids + out
+    assert suffix[0] == tok.token_to_id(EOT)
+    assert tok.decode(suffix, skip_special_tokens=False) == "<|im_end|>\n<|im_start|>user\nGo on.<|im_end|>\n" + (
+        "<|im_start|>assistant\n"
+    )
+    assert p2.prompt_ids == tok.encode(tok.apply_chat_template(messages))
+    assert p2.mismatch_report == []
+
+    record(store, sid, 0, p2, tok.encode("Done.<|im_end|>"))
+    snap = store.snapshot(sid)
+    assert snap["tree"]["nodes"][0]["truncated"] is True
+    arrays = build_training_arrays(snap)
+    sampled = out + tok.encode("Done.<|im_end|>")
+    assert arrays.response_ids[arrays.response_mask == 1].tolist() == sampled
+    assert arrays.response_ids[arrays.response_mask == 0].tolist() == suffix
+    assert arrays.finish_reason == "stop"
+
+
+# --- branches and trajectories -------------------------------------------------------------------------------
+
+
+def three_turns(store: TitoStore, tok: Tokenizer, sid: str, tid: int = 0) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    for added, reply in turn_script()[:3]:
+        messages += added
+        prepared = store.prepare_turn(sid, tid, messages)
+        record(store, sid, tid, prepared, exact_output(tok, messages, reply))
+        messages.append(reply)
+    return messages
+
+
+def test_history_rewrite_branches_and_keeps_the_old_branch(tok: Tokenizer) -> None:
+    store = TitoStore(tok, debug=True)
+    sid = store.create_session()
+    messages = three_turns(store, tok, sid)
+    before = store.snapshot(sid)
+    old_nodes = before["tree"]["nodes"]
+    old_traj = before["trajectories"][0]
+
+    # The agent edits the second user message: continue from turn 1 (node 0), a new branch of the tree.
+    rewritten = [*messages[:3], user("Please read the file instead.")]
+    prepared = store.prepare_turn(sid, 0, rewritten)
+    assert prepared.parent_node_id == 0 and prepared.branched
+    assert prepared.reused_tokens == before["tree"]["nodes"][0]["num_tokens"]
+    assert prepared.prompt_ids[: prepared.reused_tokens] == old_traj["accumulated_token_ids"][: prepared.reused_tokens]
+    assert prepared.prompt_ids == tok.encode(tok.apply_chat_template(rewritten))
+    record(store, sid, 0, prepared, tok.encode("Sure.<|im_end|>"))
+
+    after = store.snapshot(sid)
+    # The old branch's nodes are untouched and still reachable from a dead leaf.
+    by_id = {n["id"]: n for n in after["tree"]["nodes"]}
+    for node in old_nodes:
+        assert {k: v for k, v in by_id[node["id"]].items() if k != "trajectory_ids"} == {
+            k: v for k, v in node.items() if k != "trajectory_ids"
+        }
+    dead = [leaf for leaf in after["tree"]["leaves"] if leaf["dead"]]
+    assert [(d["node_id"], d["path_node_ids"]) for d in dead] == [(2, [0, 1, 2])]
+    (live,) = [leaf for leaf in after["tree"]["leaves"] if not leaf["dead"]]
+    assert live["path_node_ids"] == [0, 3] and live["parent"] == 0
+    (traj,) = after["trajectories"]
+    assert len(traj["records"]) == 2
+    assert traj["records"][0] == old_traj["records"][0]
+
+    # No common prefix at all: a new root, fully tokenized.
+    fresh = [user("Water boils at one hundred degrees.")]
+    prepared = store.prepare_turn(sid, 0, fresh)
+    assert prepared.parent_node_id is None and prepared.reused_tokens == 0 and prepared.branched
+    assert prepared.prompt_ids == tok.encode(tok.apply_chat_template(fresh))
+
+
+def test_two_trajectories_share_the_tree_and_leave_each_other_unchanged(tok: Tokenizer) -> None:
+    store = TitoStore(tok, debug=True)
+    sid = store.create_session()
+    messages = three_turns(store, tok, sid, tid=0)
+    traj0 = store.snapshot(sid)["trajectories"][0]
+
+    # Trajectory 1 starts from trajectory 0's first turn with a different follow-up.
+    branch = [*messages[:3], user("What is the weather in Paris?")]
+    prepared = store.prepare_turn(sid, 1, branch)
+    assert prepared.parent_node_id == 0 and prepared.branched
+    record(store, sid, 1, prepared, tok.encode("It is sunny.<|im_end|>"))
+
+    # Trajectory 2 is an unrelated conversation.
+    other = [user("One, two, three?")]
+    prepared = store.prepare_turn(sid, 2, other)
+    assert prepared.parent_node_id is None and not prepared.branched
+    record(store, sid, 2, prepared, tok.encode("four.<|im_end|>"))
+
+    snap = store.snapshot(sid)
+    assert [t["trajectory_id"] for t in snap["trajectories"]] == [0, 1, 2]
+    assert snap["trajectories"][0] == traj0
+    nodes = {n["id"]: n for n in snap["tree"]["nodes"]}
+    assert nodes[0]["trajectory_ids"] == [0, 1]
+    assert nodes[3]["parent"] == 0 and nodes[3]["trajectory_ids"] == [1]
+    assert not any(leaf["dead"] for leaf in snap["tree"]["leaves"])
+
+    arrays = build_all_training_arrays(snap)
+    assert [a.trajectory_id for a in arrays] == [0, 1, 2]
+    first_output = [tok_id for _, tok_id in traj0["records"][0]["output_logprobs"]]
+    sampled = arrays[1].response_ids[arrays[1].response_mask == 1].tolist()
+    assert sampled == first_output + tok.encode("It is sunny.<|im_end|>")
+    assert arrays[2].prompt_ids.tolist() == tok.encode(tok.apply_chat_template(other))
+
+
+def test_same_prompt_on_two_trajectories_follows_each_ones_own_output(tok: Tokenizer) -> None:
+    store = TitoStore(tok)
+    sid = store.create_session()
+    first = [user("Hello!")]
+    outs = {0: tok.encode("Hi.<|im_end|>"), 1: tok.encode("Hello there.<|im_end|>")}
+    for tid, out in outs.items():
+        record(store, sid, tid, store.prepare_turn(sid, tid, first), out)
+    for tid, text in ((0, "Hi."), (1, "Hello there.")):
+        prepared = store.prepare_turn(sid, tid, [*first, assistant(text), user("And?")])
+        assert prepared.parent_node_id == tid and not prepared.branched
+
+
+# --- debug validator -----------------------------------------------------------------------------------------
+
+
+def test_debug_reports_sampled_ids_that_do_not_retokenize_the_same(tok: Tokenizer) -> None:
+    canonical_word = tok.encode("Paris")
+    split = [t for ch in "Paris" for t in tok.encode(ch)]
+    assert split != canonical_word and tok.decode(split) == "Paris"
+    for debug in (True, False):
+        store = TitoStore(tok, debug=debug)
+        sid = store.create_session()
+        first = [user("What is the weather in Paris?")]
+        p1 = store.prepare_turn(sid, 0, first)
+        out = [*split, *tok.encode(" is sunny.<|im_end|>")]
+        retokenized = tok.encode("Paris is sunny.<|im_end|>")
+        assert tok.decode(out, skip_special_tokens=False) == "Paris is sunny.<|im_end|>" and out != retokenized
+        record(store, sid, 0, p1, out)
+        p2 = store.prepare_turn(sid, 0, [*first, assistant("Paris is sunny."), user("Thanks!")])
+        # The sampled ids stay in the prompt whatever the validator says.
+        assert p2.prompt_ids[: p2.reused_tokens] == p1.prompt_ids + out
+        record(store, sid, 0, p2, tok.encode("You are welcome.<|im_end|>"))
+        report = store.snapshot(sid)["trajectories"][0]["records"][1]["mismatch_report"]
+        if not debug:
+            assert report == []
+            continue
+        (entry,) = report
+        assert entry["mismatch_type"] == "token_mismatch"
+        first_diff = next(i for i, (a, b) in enumerate(zip(out, retokenized)) if a != b)
+        assert entry["position"] == len(p1.prompt_ids) + first_diff
+        assert set(entry) == {"mismatch_type", "position", "detail"}
+
+
+# --- limits, errors, GC, deletion ----------------------------------------------------------------------------
+
+
+def test_limits_and_typed_errors(tok: Tokenizer) -> None:
+    store = TitoStore(tok, max_sessions=2, max_turns_per_session=2)
+    a, b = store.create_session(), store.create_session()
+    assert a != b and len(a) >= 24
+    with pytest.raises(TooManySessions) as exc:
+        store.create_session()
+    assert exc.value.code == "too_many_sessions" and isinstance(exc.value, TitoError | ValueError)
+
+    with pytest.raises(SessionNotFound) as nf:
+        store.prepare_turn("nope", 0, [user("hi")])
+    assert nf.value.code == "session_not_found"
+
+    p = store.prepare_turn(a, 0, [user("Hello!")])
+    with pytest.raises(TurnNotRecorded) as nr:
+        store.prepare_turn(a, 0, [user("Hello!")])
+    assert nr.value.code == "turn_not_recorded"
+    store.abandon_turn(a, 0)
+    with pytest.raises(TurnNotPrepared):
+        record(store, a, 0, p, [5])  # abandoned: no longer pending
+    p = store.prepare_turn(a, 0, [user("Hello!")])
+    with pytest.raises(InvalidTurn):
+        store.record_turn(a, 0, p, output_ids=[5, 6], output_logprobs=[-1.0], finish_reason="stop")
+    record(store, a, 0, p, tok.encode("Hi.<|im_end|>"))
+    with pytest.raises(TurnNotPrepared):
+        record(store, a, 0, p, [5])  # recorded twice
+    record(store, a, 1, store.prepare_turn(a, 1, [user("Hey!")]), [5])
+    with pytest.raises(TooManyTurns) as tm:
+        store.prepare_turn(a, 2, [user("Again")])
+    assert tm.value.code == "too_many_turns"
+
+    for bad in ([], [{"content": "no role"}]):
+        with pytest.raises(InvalidTurn):
+            store.prepare_turn(b, 0, bad)
+    with pytest.raises(InvalidTurn):
+        store.prepare_turn(b, -1, [user("hi")])
+
+
+def test_gc_prunes_nodes_no_live_leaf_reaches(tok: Tokenizer) -> None:
+    # drop_dead_leaves: a rewrite leaves its old branch to GC (threshold 0: GC after every turn).
+    store = TitoStore(tok, drop_dead_leaves=True)
+    sid = store.create_session()
+    messages = three_turns(store, tok, sid)
+    assert store.num_nodes(sid) == 3
+
+    # Trajectory 1 prepares a turn on top of node 2 and holds it while trajectory 0 rewrites its history.
+    pending = store.prepare_turn(sid, 1, [*messages, user("More?")])
+    assert pending.parent_node_id == 2
+    rewritten = [*messages[:3], user("Something else.")]
+    record(store, sid, 0, store.prepare_turn(sid, 0, rewritten), tok.encode("Ok.<|im_end|>"))
+    assert store.num_nodes(sid) == 4  # nodes 1 and 2 survive: trajectory 1's pending turn needs them
+    record(store, sid, 1, pending, tok.encode("No.<|im_end|>"))
+    store.abandon_turn(sid, 1)
+
+    fresh = [user("Hello!")]
+    record(store, sid, 1, store.prepare_turn(sid, 1, fresh), tok.encode("Hi.<|im_end|>"))
+    snap = store.snapshot(sid)
+    assert sorted(n["id"] for n in snap["tree"]["nodes"]) == [0, 3, 5]
+    assert all(not leaf["dead"] for leaf in snap["tree"]["leaves"])
+    build_all_training_arrays(snap)  # still consistent
+
+    # Above the threshold nothing is pruned.
+    lazy = TitoStore(tok, drop_dead_leaves=True, gc_threshold=100)
+    sid = lazy.create_session()
+    messages = three_turns(lazy, tok, sid)
+    record(lazy, sid, 0, lazy.prepare_turn(sid, 0, [user("New start")]), tok.encode("Ok.<|im_end|>"))
+    assert lazy.num_nodes(sid) == 4
+
+    # Kept dead leaves (the default) keep their branch.
+    keep = TitoStore(tok)
+    sid = keep.create_session()
+    three_turns(keep, tok, sid)
+    record(keep, sid, 0, keep.prepare_turn(sid, 0, [user("New start")]), tok.encode("Ok.<|im_end|>"))
+    assert keep.num_nodes(sid) == 4
+
+
+def test_delete_frees_the_session(tok: Tokenizer) -> None:
+    store = TitoStore(tok, max_sessions=1)
+    sid = store.create_session()
+    three_turns(store, tok, sid)
+    store.delete_session(sid)
+    assert sid not in store and len(store) == 0
+    with pytest.raises(SessionNotFound):
+        store.snapshot(sid)
+    with pytest.raises(SessionNotFound):
+        store.delete_session(sid)
+    assert store.create_session() != sid
+
+
+def test_snapshot_shape(tok: Tokenizer) -> None:
+    store = TitoStore(tok, max_trim_tokens=1)
+    sid = store.create_session()
+    p = store.prepare_turn(sid, 7, [user("Hello!")])
+    out = tok.encode("Hi.<|im_end|>")
+    store.record_turn(
+        sid, 7, p, output_ids=out, output_logprobs=None, finish_reason="stop", weight_version=3,
+        token_versions=[3] * len(out),
+    )  # fmt: skip
+    snap = store.snapshot(sid)
+    assert set(snap) == {"session_id", "max_trim_tokens", "trajectories", "tree"}
+    assert snap["session_id"] == sid and snap["max_trim_tokens"] == 1
+    (rec,) = snap["trajectories"][0]["records"]
+    assert rec == {
+        "prompt_token_count": len(p.prompt_ids),
+        "output_logprobs": None,
+        "finish_reason": "stop",
+        "mismatch_report": [],
+        "routed_experts": None,
+        "weight_version": 3,
+        "output_token_versions": [3] * len(out),
+    }
+    (node,) = snap["tree"]["nodes"]
+    assert set(node) == {"id", "hash", "parent", "finish_reason", "truncated", "num_tokens", "trajectory_ids"}
+    assert node["num_tokens"] == len(p.prompt_ids) + len(out) and node["trajectory_ids"] == [7]
+    (leaf,) = snap["tree"]["leaves"]
+    assert leaf == {"trajectory_id": 7, "node_id": 0, "parent": None, "path_node_ids": [0], "dead": False}
