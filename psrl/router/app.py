@@ -30,7 +30,7 @@ from psrl.router.errors import (
 )
 from psrl.router.http_backend import HttpWorkers
 from psrl.router.logs import request_id_var
-from psrl.router.metadata import parse_routing_meta
+from psrl.router.metadata import RoutingMeta, parse_routing_meta
 from psrl.router.metrics import RouterMetrics
 from psrl.router.pipeline import parse as P
 from psrl.router.pipeline import respond as R
@@ -45,6 +45,7 @@ from psrl.router.psmanager_admission import PSManagerAdmission
 from psrl.router.registry import Worker, WorkerRegistry
 from psrl.router.routing_loop import RoutingLoop
 from psrl.router.selector import AdmissionHook, PassThroughAdmission, Selector, Ticket
+from psrl.router.tito_bridge import TitoBridge
 from psrl.router.tokenizers import TokenizerStore
 from psrl.router.worker_client import WorkerClients
 from psrl.tokenizer import IncrementalDecoder, Tokenizer
@@ -95,6 +96,7 @@ class RouterApp:
                 on_queue_length=self.metrics_queue_length,
             )
         self.tool_parser = make_tool_parser(config.tool_call_parser)
+        self.tito = TitoBridge(config.tito, self._default_tokenizer)
         self.tokenizers = TokenizerStore(self.registry, self.clients, config.tokenizer_path)
         self.dispatcher = Dispatcher(
             self.registry,
@@ -135,6 +137,9 @@ class RouterApp:
             ("/routing_loop/resume", "POST", self.resume_loop, admin),
             ("/routing_loop/status", "GET", self.loop_status, admin),
             ("/routing_loop/filter", "GET", self.loop_filter, admin),
+            ("/tito/sessions", "POST", self.tito_create, data),
+            ("/tito/sessions/{session_id}", "GET", self.tito_get, data),
+            ("/tito/sessions/{session_id}", "DELETE", self.tito_delete, data),
             ("/v1/chat/completions", "POST", self.chat_completions, data),
             ("/v1/completions", "POST", self.completions, data),
             ("/generate", "POST", self.generate, data),
@@ -452,6 +457,55 @@ class RouterApp:
     def _needs_tokens(self, model: str) -> bool:
         return any(w.connection_mode == "grpc" for w in self.registry.serving(model))
 
+    # ---- TITO sessions -------------------------------------------------------------------------------
+
+    async def _default_tokenizer(self) -> Tokenizer:
+        return await self.tokenizers.get(resolve_model(self.registry, None))
+
+    async def tito_create(self, request: Request) -> AnyResponse:
+        return _json({"session_id": await self.tito.create()})
+
+    async def tito_get(self, request: Request) -> AnyResponse:
+        return _json(await self.tito.snapshot(request.path_params["session_id"]))
+
+    async def tito_delete(self, request: Request) -> AnyResponse:
+        await self.tito.delete(request.path_params["session_id"])
+        return Response(b"", 204)
+
+    async def _tito_chat(
+        self, turn: tuple[str, int], chat: P.ChatRequest, model: str, meta: RoutingMeta, rid: str, tok: Tokenizer
+    ) -> tuple[Ticket, Generation]:
+        """A TITO turn: incrementally tokenized prompt, log-probs forced on, and the sampled ids recorded."""
+        if chat.stream:
+            raise BadRequest(
+                "TITO turns are not streamed upstream; send stream=false (the SessionRouter "
+                "builds SSE from the buffered result)",
+                param="stream",
+            )
+        prepared = await self.tito.prepare(turn[0], turn[1], chat)
+        if chat.sampling.logprobs is None:
+            chat.sampling.logprobs = 0
+        try:
+            rollout = Rollout(
+                self.dispatcher, model, meta, GenerationInput(rid, model, prepared.prompt_ids, chat.sampling, False)
+            )
+            ticket = await rollout.start()
+            gen = await rollout.collect()
+        except BaseException:
+            await self.tito.abandon(prepared)
+            raise
+        last = rollout.ticket or ticket
+        await self.tito.record(
+            prepared,
+            output_ids=gen.output_ids,
+            output_logprobs=gen.logprobs,
+            finish_reason=gen.finish_reason,
+            weight_version=last.instance.weight_version,
+            token_versions=rollout.state.token_versions,
+            instance=(last.instance.id.base_worker_id, last.instance.id.dp_rank),
+        )
+        return ticket, gen
+
     # ---- data plane -----------------------------------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> AnyResponse:
@@ -463,18 +517,27 @@ class RouterApp:
         rid = new_request_id("chatcmpl")
         text = "".join(m["content"] for m in chat.messages)
         if not self._needs_tokens(model):
+            if TitoBridge.turn_of(request.headers) is not None:
+                raise BadRequest(f"TITO needs gRPC workers; model {model!r} is served only over HTTP")
             ticket = await self.dispatcher.acquire(
                 model, meta, SelectionRequest(rid, model, (), text, meta.routing_key)
             )
             return await self._proxy("/v1/chat/completions", ticket, raw, request, chat.stream)
         tok = await self.tokenizers.get(model)
-        prompt = await chat_prompt_ids(chat, tok)
-        rollout = Rollout(self.dispatcher, model, meta, GenerationInput(rid, model, prompt, chat.sampling, chat.stream))
-        ticket = await rollout.start()
         created = int(time.time())
-        if chat.stream:
-            return self._stream("/v1/chat/completions", ticket, self._chat_sse(rollout, tok, chat, rid, created, model))
-        gen = await rollout.collect()
+        turn = TitoBridge.turn_of(request.headers) if self.config.tito.enable_tito else None
+        if turn is not None:
+            ticket, gen = await self._tito_chat(turn, chat, model, meta, rid, tok)
+        else:
+            prompt = await chat_prompt_ids(chat, tok)
+            rollout = Rollout(
+                self.dispatcher, model, meta, GenerationInput(rid, model, prompt, chat.sampling, chat.stream)
+            )
+            ticket = await rollout.start()
+            if chat.stream:
+                events = self._chat_sse(rollout, tok, chat, rid, created, model)
+                return self._stream("/v1/chat/completions", ticket, events)
+            gen = await rollout.collect()
         out_text = tok.decode(gen.output_ids, skip_special_tokens=chat.sampling.skip_special_tokens)
         # Tool calls are parsed out only when the request offered tools, as vLLM does with a parser enabled.
         output = self.tool_parser.parse(out_text) if chat.tools else ParsedOutput(out_text or None)

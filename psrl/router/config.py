@@ -16,6 +16,7 @@ from psrl.router.pipeline.tool_calls import make_tool_parser
 from psrl.router.policies.cache_aware import CacheAwareConfig
 from psrl.router.routing_loop import RoutingLoopConfig
 from psrl.router.selector import SelectorConfig
+from psrl.router.tito_bridge import TitoConfig
 
 POLICIES = ("round_robin", "random", "power_of_two", "least_load", "consistent_hash", "cache_aware", "cache_aware_v1")
 # PSRL's routing_strategy.method names for the same policies.
@@ -50,6 +51,7 @@ class RouterConfig:
     selector: SelectorConfig = field(default_factory=SelectorConfig)
     cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
     routing_loop: RoutingLoopConfig = field(default_factory=RoutingLoopConfig)
+    tito: TitoConfig = field(default_factory=TitoConfig)
 
     def validate(self) -> None:
         self.policy = POLICY_ALIASES.get(self.policy, self.policy)
@@ -68,6 +70,7 @@ class RouterConfig:
         self.selector.validate()
         self.cache_aware.validate()
         self.routing_loop.validate()
+        self.tito.validate()
         make_tool_parser(self.tool_call_parser)  # raises on an unknown parser name
         if self.max_rollout_iterations < 1 or self.psmanager_rpc_timeout_s <= 0:
             raise ValueError("max_rollout_iterations must be >= 1 and psmanager_rpc_timeout_s positive")
@@ -117,8 +120,9 @@ _SECTIONS = {
     "selector": SelectorConfig,
     "cache_aware": CacheAwareConfig,
     "routing_loop": RoutingLoopConfig,
+    "tito": TitoConfig,
 }
-_FLAT_SECTIONS = ("selector", "cache_aware", "routing_loop")  # PSRL-style flat flags, e.g. --cache-threshold
+_FLAT_SECTIONS = ("selector", "cache_aware", "routing_loop", "tito")  # PSRL-style flat flags, e.g. --cache-threshold
 
 
 def parse_args(argv: list[str] | None = None) -> RouterConfig:

@@ -1,0 +1,172 @@
+"""TITO in the router's chat pipeline: the session endpoints and, for a turn carrying
+`x-smg-tito-session-id`, an incrementally tokenized prompt and a record of exactly what was sampled."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from psrl.router.errors import BadRequest, Conflict, NotFound, RouterError
+from psrl.router.pipeline.parse import ChatRequest
+from psrl.tito import (
+    PreparedTurn,
+    SessionNotFound,
+    TitoError,
+    TitoStore,
+    TooManySessions,
+    TooManyTurns,
+    TurnNotPrepared,
+    TurnNotRecorded,
+)
+from psrl.tokenizer import Tokenizer
+
+SESSION_HEADER = "x-smg-tito-session-id"
+TRAJECTORY_HEADER = "x-smg-tito-trajectory-id"
+
+
+@dataclass
+class TitoConfig:
+    enable_tito: bool = True
+    tito_debug: bool = False
+    tito_gc_threshold: int = 0
+    tito_max_sessions: int = 10000
+    tito_max_turns: int = 1000
+    tito_drop_dead_leaves: bool = True
+    max_trim_tokens: int = 0
+
+    def validate(self) -> None:
+        if min(self.tito_gc_threshold, self.tito_max_sessions, self.tito_max_turns, self.max_trim_tokens) < 0:
+            raise ValueError("TITO limits must be >= 0")
+
+
+def as_router_error(e: TitoError) -> RouterError:
+    """One place where TITO's typed errors become HTTP answers."""
+    if isinstance(e, SessionNotFound):
+        return NotFound(str(e), code=e.code)
+    if isinstance(e, TurnNotRecorded | TurnNotPrepared):
+        return Conflict(str(e), code=e.code)
+    if isinstance(e, TooManySessions | TooManyTurns):
+        return BadRequest(str(e), code=e.code)
+    return BadRequest(str(e), code=e.code)
+
+
+class TitoBridge:
+    """Owns the TITO store (built with the default model's tokenizer at first use) and the last instance that
+    served each session (returned as `header_info`)."""
+
+    def __init__(self, config: TitoConfig, default_tokenizer: Callable[[], Awaitable[Tokenizer]]) -> None:
+        config.validate()
+        self.config = config
+        self._default_tokenizer = default_tokenizer
+        self._store: TitoStore | None = None
+        self._lock = asyncio.Lock()
+        self._instances: dict[str, tuple[str, int]] = {}
+
+    async def store(self) -> TitoStore:
+        if self._store is None:
+            async with self._lock:
+                if self._store is None:
+                    c = self.config
+                    self._store = TitoStore(
+                        await self._default_tokenizer(),
+                        max_sessions=c.tito_max_sessions,
+                        max_turns_per_session=c.tito_max_turns,
+                        gc_threshold=c.tito_gc_threshold,
+                        max_trim_tokens=c.max_trim_tokens,
+                        debug=c.tito_debug,
+                        drop_dead_leaves=c.tito_drop_dead_leaves,
+                    )
+        return self._store
+
+    # ---- endpoints ----------------------------------------------------------------------------------
+
+    async def create(self) -> str:
+        try:
+            return (await self.store()).create_session()
+        except TitoError as e:
+            raise as_router_error(e) from e
+
+    async def snapshot(self, sid: str) -> dict[str, Any]:
+        try:
+            snap = (await self.store()).snapshot(sid)
+        except TitoError as e:
+            raise as_router_error(e) from e
+        if sid in self._instances:
+            base, rank = self._instances[sid]
+            snap["header_info"] = {"base_worker_id": base, "target_dp_rank": str(rank)}
+        return snap
+
+    async def delete(self, sid: str) -> None:
+        try:
+            (await self.store()).delete_session(sid)
+        except TitoError as e:
+            raise as_router_error(e) from e
+        self._instances.pop(sid, None)
+
+    # ---- turns --------------------------------------------------------------------------------------
+
+    @staticmethod
+    def turn_of(headers: dict[str, str]) -> tuple[str, int] | None:
+        sid = headers.get(SESSION_HEADER)
+        if not sid:
+            return None
+        raw = headers.get(TRAJECTORY_HEADER, "0")
+        try:
+            trajectory = int(raw)
+        except ValueError:
+            raise BadRequest(
+                f"header {TRAJECTORY_HEADER} must be an integer, got {raw!r}", param=TRAJECTORY_HEADER
+            ) from None
+        if trajectory < 0:
+            raise BadRequest(f"header {TRAJECTORY_HEADER} must be >= 0", param=TRAJECTORY_HEADER)
+        return sid, trajectory
+
+    async def prepare(self, sid: str, trajectory: int, chat: ChatRequest) -> PreparedTurn:
+        store = await self.store()
+        try:
+            return await asyncio.to_thread(
+                store.prepare_turn,
+                sid,
+                trajectory,
+                chat.messages,
+                tools=chat.tools,
+                template_kwargs=chat.template_kwargs or None,
+            )
+        except TitoError as e:
+            raise as_router_error(e) from e
+
+    async def record(
+        self,
+        prepared: PreparedTurn,
+        *,
+        output_ids: list[int],
+        output_logprobs: list[float] | None,
+        finish_reason: str | None,
+        weight_version: int,
+        token_versions: list[int],
+        instance: tuple[str, int],
+    ) -> None:
+        store = await self.store()
+        try:
+            store.record_turn(
+                prepared.session_id,
+                prepared.trajectory_id,
+                prepared,
+                output_ids=output_ids,
+                output_logprobs=output_logprobs,
+                finish_reason=finish_reason,
+                weight_version=weight_version,
+                token_versions=token_versions,
+            )
+        except TitoError as e:
+            raise as_router_error(e) from e
+        self._instances[prepared.session_id] = instance
+
+    async def abandon(self, prepared: PreparedTurn) -> None:
+        store = await self.store()
+        try:
+            store.abandon_turn(prepared.session_id, prepared.trajectory_id)
+        except TitoError:
+            pass  # the session went away meanwhile: nothing left to undo
