@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import hashlib
 import json
 import os
@@ -40,7 +39,6 @@ import re
 import resource
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -53,6 +51,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from benchlib import Procs, free_port, log_tail, signal_group, wait_for_log
 
 REPO = Path(__file__).resolve().parent.parent
 OUT_DIR = REPO / "bench" / "out"
@@ -112,100 +112,6 @@ def generate_load(model: str, n_ids: int) -> Load:
 
 
 # ---- processes ------------------------------------------------------------------------------------------------
-
-
-class Procs:
-    """Every process the bench starts: own session (process group), output to a log file, stopped on exit."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.live: dict[int, tuple[str, subprocess.Popen[bytes]]] = {}
-
-    def __enter__(self) -> Procs:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop_all()
-
-    def log_path(self, name: str) -> Path:
-        return self.log_dir / f"{name}.log"
-
-    def start(self, name: str, argv: list[str], cpus: set[int] | None = None) -> subprocess.Popen[bytes]:
-        """Start argv in its own session; `cpus` pins it (else it inherits the bench's affinity)."""
-
-        def setup() -> None:
-            _die_with_parent()
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path(name), "wb") as log:
-            proc = subprocess.Popen(
-                argv,
-                cwd=REPO,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=setup,
-            )
-        self.live[proc.pid] = (name, proc)
-        return proc
-
-    def stop(self, proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
-        self.live.pop(proc.pid, None)
-        _signal_group(proc, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        _signal_group(proc, signal.SIGKILL)  # the leader may be gone while group members linger
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=grace_s)
-
-    def stop_all(self) -> None:
-        for _, proc in reversed(list(self.live.values())):
-            self.stop(proc)
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM if the bench dies without cleaning up (even by SIGKILL)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)  # start_new_session: the group id is the leader's pid
-
-
-def wait_for_log(procs: Procs, name: str, proc: subprocess.Popen[bytes], pattern: str, timeout_s: float) -> re.Match:
-    """Wait until the process's log matches `pattern`; Unavailable if it exits or the time runs out."""
-    deadline = time.monotonic() + timeout_s
-    regex = re.compile(pattern)
-    while time.monotonic() < deadline:
-        match = regex.search(procs.log_path(name).read_text(errors="replace"))
-        if match:
-            return match
-        if proc.poll() is not None:
-            raise Unavailable(f"{name} exited with rc={proc.returncode}: {log_tail(procs.log_path(name))}")
-        time.sleep(0.1)
-    raise Unavailable(f"{name} printed no {pattern!r} within {timeout_s:.0f}s: {log_tail(procs.log_path(name))}")
-
-
-def log_tail(path: Path, lines: int = 6) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "(no log)"
-    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
-    return " | ".join(line.strip()[:300] for line in text.strip().splitlines()[-lines:]) or "(empty log)"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def find_tool(name: str) -> str | None:
@@ -735,7 +641,7 @@ def profile(target: Target, load: Load, conns: int, gen: LoadGen, args: argparse
         spy_out, _ = spy.communicate(timeout=seconds + 30)
     finally:
         if spy.poll() is None:
-            _signal_group(spy, signal.SIGKILL)
+            signal_group(spy, signal.SIGKILL)
             spy.wait()
     if not out.exists():
         return {"error": f"py-spy wrote nothing: {spy_out.decode(errors='replace')[-400:]}"}
@@ -821,7 +727,7 @@ def start_fast_backends(procs: Procs, count: int) -> list[tuple[int, str]]:
         started.append((name, proc))
     out = []
     for name, proc in started:
-        match = wait_for_log(procs, name, proc, r"FAST_BACKEND_READY (http://\S+)", 30)
+        match = wait_for_log(procs, name, proc, r"FAST_BACKEND_READY (http://\S+)", 30, error=Unavailable)
         out.append((proc.pid, match.group(1)))
     return out
 
@@ -834,7 +740,9 @@ def start_replicas(procs: Procs, args: argparse.Namespace, count: int) -> tuple[
         started.append((name, procs.start(name, [*argv, "--torch-threads", str(args.torch_threads)])))
     out, model = [], ""
     for name, proc in started:
-        match = wait_for_log(procs, name, proc, r"PSRL_WORKER_READY (grpc://\S+)\s.*model=(\S+)", 180)
+        match = wait_for_log(
+            procs, name, proc, r"PSRL_WORKER_READY (grpc://\S+)\s.*model=(\S+)", 180, error=Unavailable
+        )
         out.append((proc.pid, match.group(1)))
         model = match.group(2)
     return out, model

@@ -1,0 +1,118 @@
+"""Process handling shared by the benchmarks: every process in its own group, logged to a file, stopped on
+exit (and by the kernel if the bench dies), plus free ports and log helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+HOST = "127.0.0.1"
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Procs:
+    """Every process the bench starts: own session (process group), output to a log file, stopped on exit."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.live: dict[int, tuple[str, subprocess.Popen[bytes]]] = {}
+
+    def __enter__(self) -> Procs:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    def start(self, name: str, argv: list[str], cpus: set[int] | None = None) -> subprocess.Popen[bytes]:
+        """Start argv in its own session; `cpus` pins it (else it inherits the bench's affinity)."""
+
+        def setup() -> None:
+            _die_with_parent()
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(self.log_path(name), "wb") as log:
+            proc = subprocess.Popen(
+                argv,
+                cwd=REPO,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=setup,
+            )
+        self.live[proc.pid] = (name, proc)
+        return proc
+
+    def stop(self, proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
+        self.live.pop(proc.pid, None)
+        signal_group(proc, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace_s)
+        signal_group(proc, signal.SIGKILL)  # the leader may be gone while group members linger
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace_s)
+
+    def stop_all(self) -> None:
+        for _, proc in reversed(list(self.live.values())):
+            self.stop(proc)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM if the bench dies without cleaning up (even by SIGKILL)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)  # start_new_session: the group id is the leader's pid
+
+
+def log_tail(path: Path, lines: int = 8) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    return " | ".join(line.strip()[:300] for line in text.strip().splitlines()[-lines:]) or "(empty log)"
+
+
+def wait_for_log(
+    procs: Procs,
+    name: str,
+    proc: subprocess.Popen[bytes],
+    pattern: str,
+    timeout_s: float,
+    error: type[Exception] = RuntimeError,
+) -> re.Match:
+    """Wait until the process's log matches `pattern`; `error` if it exits or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    regex = re.compile(pattern)
+    while time.monotonic() < deadline:
+        match = regex.search(procs.log_path(name).read_text(errors="replace"))
+        if match:
+            return match
+        if proc.poll() is not None:
+            raise error(f"{name} exited with rc={proc.returncode}: {log_tail(procs.log_path(name))}")
+        time.sleep(0.1)
+    raise error(f"{name} printed no {pattern!r} within {timeout_s:.0f}s: {log_tail(procs.log_path(name))}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
