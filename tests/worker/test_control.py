@@ -94,6 +94,13 @@ async def test_abort_pause_ends_running_requests_like_abort(stubs: Stubs) -> Non
     streamed = StreamReader(stubs, _req("sync-s", stream=True, max_tokens=2000, rank=0))
     plain = asyncio.ensure_future(stubs.frames(_req("sync-ns", stream=False, max_tokens=2000, rank=1)))
     await streamed.wait_for_ids(3)
+    # The non-streamed one shows no ids until it ends: make sure it is decoding before the pause.
+    for _ in range(500):
+        loads = await stubs.engine.GetLoads(vllm_engine_pb2.GetLoadsRequest(dp_rank=1))
+        if loads.loads[0].num_running_reqs:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.3)
 
     resp = await stubs.pause(pb.PAUSE_MODE_ABORT)
     assert resp.paused and sorted(resp.aborted_request_ids) == ["sync-ns", "sync-s"]
