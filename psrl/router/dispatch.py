@@ -127,15 +127,6 @@ class Dispatcher:
             raise
         return call
 
-    async def generate_once(self, ticket: Ticket, gen: GenerationInput) -> Generation:
-        """One call, no loop-back (for requests that cannot loop back)."""
-        call = await self.start_call(ticket, gen)
-        try:
-            return await call.collect()
-        finally:
-            call.cancel()  # no-op after a clean end; frees the replica if this handler was cancelled
-            self.finish(ticket, call.error)
-
 
 class Rollout:
     """One request's life over its iterations: `start()` places it and waits for the first frame (so errors
@@ -161,7 +152,7 @@ class Rollout:
         request = SelectionRequest(gen.request_id, self._model, gen.prompt_ids, self._text, self.meta.routing_key)
         ticket = await self._d.acquire(self._model, self.meta, request, grpc_only=True)
         try:
-            check_prompt(gen.prompt_ids, gen.sampling, ticket.instance.worker.max_context_length, 0)
+            check_prompt(gen.prompt_ids, gen.sampling, ticket.instance.worker.max_context_length)
         except RouterError:
             self._d.finish(ticket, None)
             raise

@@ -52,7 +52,7 @@ async def text_prompt_ids(prompt: str | list[int], tokenizer: Tokenizer) -> list
     return prompt
 
 
-def check_prompt(prompt_ids: list[int], sampling: SamplingSpec, max_context: int, vocab_size: int) -> None:
+def check_prompt(prompt_ids: list[int], sampling: SamplingSpec, max_context: int) -> None:
     """Refuse before dispatch what the replica would refuse anyway, with vLLM's wording."""
     if max_context and len(prompt_ids) >= max_context:
         raise PromptOverflow(
@@ -66,5 +66,3 @@ def check_prompt(prompt_ids: list[int], sampling: SamplingSpec, max_context: int
             f"{sampling.max_tokens} for the completion). Reduce the prompt or max_tokens.",
             param="max_tokens",
         )
-    if vocab_size and any(t >= vocab_size for t in prompt_ids):
-        raise BadRequest(f"prompt holds a token id outside the vocabulary (size {vocab_size})", param="input_ids")
