@@ -86,6 +86,14 @@ def start_psmanager(log_dir: Path, *, port: int = 0, args: list[str] | None = No
     return _start_announced("psrl.psmanager", cmd, log, "PSRL_PSMANAGER_READY", timeout_s)
 
 
+def start_session_router(
+    log_dir: Path, router_url: str, args: list[str] | None = None, timeout_s: float = 60.0
+) -> Proc:
+    log = log_dir / f"session-{time.monotonic_ns()}.log"
+    cmd = ["--router-url", router_url, "--port", "0", *(args or [])]
+    return _start_announced("psrl.session", cmd, log, "PSRL_SESSION_READY", timeout_s)
+
+
 def start_router(
     log_dir: Path, worker_urls: list[str], *, args: list[str] | None = None, timeout_s: float = 60.0
 ) -> Proc:

@@ -1,0 +1,3 @@
+from psrl.session.server import main
+
+main()

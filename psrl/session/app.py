@@ -1,0 +1,347 @@
+"""The SessionRouter's HTTP surface: thin FastAPI handlers over `SessionState` and one shared httpx client."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from psrl.session.config import SessionConfig
+from psrl.session.sse import chat_sse_events
+from psrl.session.state import (
+    RANK_HEADER,
+    WORKER_HEADER,
+    SessionState,
+    SessionStore,
+    TrajectoryStrategy,
+    session_headers_from,
+    session_ids_of,
+)
+
+logger = logging.getLogger("psrl.session")
+
+_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+
+
+class SessionError(Exception):
+    """A typed error at the SessionRouter's boundary; mapped once to a status and `x-smg-error-code`."""
+
+    status = 500
+    code = "internal_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidBody(SessionError):
+    status, code = 400, "invalid_body"
+
+
+class Unauthorized(SessionError):
+    status, code = 401, "unauthorized"
+
+
+class UnknownSession(SessionError):
+    status, code = 404, "session_not_found"
+
+
+class SessionClosing(SessionError):
+    status, code = 409, "session_closing"
+
+
+class UpstreamUnavailable(SessionError):
+    status, code = 502, "router_unavailable"
+
+
+def _passthrough_headers(upstream: httpx.Response) -> dict[str, str]:
+    """What the client sees of the router's answer: its x-* headers (instance, version, request id)."""
+    return {k: v for k, v in upstream.headers.items() if k.lower().startswith("x-")}
+
+
+def _upstream_response(upstream: httpx.Response, extra: dict[str, str] | None = None) -> Response:
+    headers = _passthrough_headers(upstream)
+    headers.update(extra or {})
+    return Response(
+        content=upstream.content,
+        status_code=upstream.status_code,
+        headers=headers,
+        media_type=upstream.headers.get("content-type"),
+    )
+
+
+def _json_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidBody(f"invalid JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise InvalidBody("the JSON body must be an object")
+    return body
+
+
+def _usage_of(upstream: httpx.Response) -> dict[str, Any] | None:
+    try:
+        usage = upstream.json().get("usage")
+    except (ValueError, AttributeError):
+        return None
+    return usage if isinstance(usage, dict) else None
+
+
+class SessionRouter:
+    """Owns the session table and the upstream client; the FastAPI routes call into it."""
+
+    def __init__(self, config: SessionConfig, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        config.validate()
+        self.config = config
+        self.sessions = SessionStore()
+        self.strategy: TrajectoryStrategy = "auto" if config.trajectory_id_strategy == "auto" else "manual"
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+
+    # ---- upstream -------------------------------------------------------------------------------------
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise RuntimeError("the upstream client lives in the app's lifespan")
+        return self._client
+
+    async def open(self) -> None:
+        c = self.config
+        self._client = httpx.AsyncClient(
+            base_url=c.router_url,
+            transport=self._transport,
+            timeout=httpx.Timeout(c.request_timeout_s, connect=c.connect_timeout_s),
+            limits=httpx.Limits(max_connections=c.max_connections, max_keepalive_connections=c.max_connections),
+        )
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def upstream(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            return await self.client.request(method, path, **kwargs)
+        except httpx.TransportError as e:
+            raise UpstreamUnavailable(f"router unreachable: {type(e).__name__}: {e}") from e
+
+    # ---- sessions -------------------------------------------------------------------------------------
+
+    def state(self, sid: str) -> SessionState:
+        state = self.sessions.get(sid)
+        if state is None:
+            raise UnknownSession(f"session {sid!r} not found")
+        return state
+
+    async def create(self, request: Request) -> Response:
+        auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
+        upstream = await self.upstream("POST", "/tito/sessions", headers=auth)
+        if upstream.status_code >= 300:
+            return _upstream_response(upstream)
+        sid = upstream.json()["session_id"]
+        self.sessions.add(SessionState(sid, headers=session_headers_from(request.headers)))
+        return JSONResponse({"session_id": sid})
+
+    async def get(self, sid: str) -> Response:
+        upstream = await self.upstream("GET", f"/tito/sessions/{sid}")
+        extra: dict[str, str] = {}
+        state = self.sessions.get(sid)
+        if state is not None and state.base_worker_id is not None:
+            extra[WORKER_HEADER] = state.base_worker_id
+            if state.target_dp_rank is not None:
+                extra[RANK_HEADER] = state.target_dp_rank
+        return _upstream_response(upstream, extra)
+
+    async def delete(self, sid: str) -> Response:
+        state = self.sessions.get(sid)
+        if state is not None:
+            state.start_closing()
+            await state.drained.wait()
+        upstream = await self.upstream("DELETE", f"/tito/sessions/{sid}")
+        self.sessions.remove(sid)
+        return _upstream_response(upstream)
+
+    # ---- turns ----------------------------------------------------------------------------------------
+
+    async def _admit(self, state: SessionState) -> None:
+        """Wait out a hang; refuse a closing session. Returns with no await between the checks and the caller's
+        begin_turn, so a hang or close cannot slip in between."""
+        if state.closing:
+            raise SessionClosing("session is closing")
+        while state.hang_state == "hung" and not state.closing:
+            await state.continue_event.wait()
+        if state.closing:
+            raise SessionClosing("session is closing")
+
+    async def chat_turn(self, sid: str, request: Request) -> Response:
+        state = self.state(sid)
+        body = _json_body(await request.body())
+        wants_stream = bool(body.get("stream"))
+        body["stream"] = False
+        body.pop("stream_options", None)
+        body["logprobs"] = True
+        body["top_logprobs"] = 1
+        await self._admit(state)
+        headers, trajectory = state.turn_headers(request.headers, self.strategy)
+        headers["content-type"] = "application/json"
+        state.begin_turn()
+        try:
+            upstream = await self.upstream(
+                "POST", "/v1/chat/completions", content=json.dumps(body).encode(), headers=headers
+            )
+            if upstream.is_success:
+                result = upstream.json()
+                state.record_success(upstream.headers, result.get("usage"))
+                state.advance_trajectory(trajectory)
+        finally:
+            state.end_turn()
+        if not upstream.is_success or not wants_stream:
+            return _upstream_response(upstream)
+        events = chat_sse_events(result)
+
+        async def stream() -> AsyncIterator[str]:
+            for event in events:
+                yield event
+
+        return StreamingResponse(stream(), media_type="text/event-stream", headers=_passthrough_headers(upstream))
+
+    async def forward(self, sid: str, path: str, request: Request) -> Response:
+        """Any other path under a session goes to the router's `/{path}` with the same header treatment; a POST
+        counts as a turn (hang, closing, in-flight, instance and version)."""
+        state = self.state(sid)
+        raw = await request.body()
+        is_turn = request.method == "POST"
+        if is_turn:
+            await self._admit(state)
+        headers, trajectory = state.turn_headers(request.headers, self.strategy)
+        if not is_turn:
+            upstream = await self.upstream(
+                request.method, f"/{path}", content=raw, headers=headers, params=request.query_params
+            )
+            return _upstream_response(upstream)
+        state.begin_turn()
+        try:
+            upstream = await self.upstream(
+                request.method, f"/{path}", content=raw, headers=headers, params=request.query_params
+            )
+            if upstream.is_success:
+                state.record_success(upstream.headers, _usage_of(upstream))
+                state.advance_trajectory(trajectory)
+        finally:
+            state.end_turn()
+        return _upstream_response(upstream)
+
+    # ---- control --------------------------------------------------------------------------------------
+
+    def check_admin(self, request: Request) -> None:
+        key = self.config.admin_api_key
+        if not key:
+            return
+        given = request.headers.get("x-admin-api-key") or ""
+        auth = request.headers.get("authorization") or ""
+        if auth.lower().startswith("bearer "):
+            given = given or auth[7:].strip()
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise Unauthorized("admin API key required")
+
+    async def control_items(self, request: Request) -> list[tuple[str, dict[str, Any]]]:
+        try:
+            return session_ids_of(json.loads(await request.body()))
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
+            raise InvalidBody(str(e)) from None
+
+    def hang(self, items: list[tuple[str, dict[str, Any]]]) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {"hung": [], "deferred": [], "missing": []}
+        for sid, _ in items:
+            state = self.sessions.get(sid)
+            if state is None or state.closing:
+                out["missing"].append(sid)
+                continue
+            out[state.request_hang()].append(sid)
+        return out
+
+    def resume(self, items: list[tuple[str, dict[str, Any]]]) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {"continued": [], "missing": []}
+        for sid, item in items:
+            state = self.sessions.get(sid)
+            if state is None:
+                out["missing"].append(sid)
+                continue
+            worker, rank = item.get("base_worker_id"), item.get("target_dp_rank")
+            state.resume(
+                None if worker is None else str(worker),
+                None if rank is None else str(rank),
+            )
+            out["continued"].append(sid)
+        return out
+
+
+def create_app(config: SessionConfig, *, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """The SessionRouter app. `transport` replaces the network to the router (tests use an in-process one)."""
+    sr = SessionRouter(config, transport)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await sr.open()
+        try:
+            yield
+        finally:
+            await sr.close()
+
+    app = FastAPI(title="PSRL SessionRouter", lifespan=lifespan)
+    app.state.session_router = sr
+
+    @app.exception_handler(SessionError)
+    async def _on_error(_: Request, e: SessionError) -> JSONResponse:
+        return JSONResponse({"error": e.message}, status_code=e.status, headers={"x-smg-error-code": e.code})
+
+    @app.post("/sessions")
+    async def create_session(request: Request) -> Response:
+        return await sr.create(request)
+
+    @app.get("/sessions/{sid}")
+    async def get_session(sid: str) -> Response:
+        return await sr.get(sid)
+
+    @app.delete("/sessions/{sid}")
+    async def delete_session(sid: str) -> Response:
+        return await sr.delete(sid)
+
+    @app.post("/sessions/{sid}/v1/messages/count_tokens")
+    async def count_tokens(sid: str) -> dict[str, int]:
+        sr.state(sid)
+        return {"input_tokens": 0}
+
+    @app.post("/sessions/{sid}/v1/chat/completions")
+    async def chat_completions(sid: str, request: Request) -> Response:
+        return await sr.chat_turn(sid, request)
+
+    @app.get("/control/sessions")
+    async def control_sessions(request: Request) -> dict[str, Any]:
+        sr.check_admin(request)
+        return {"sessions": [s.summary() for s in sr.sessions.all()]}
+
+    @app.post("/control/hang")
+    async def control_hang(request: Request) -> dict[str, list[str]]:
+        sr.check_admin(request)
+        return sr.hang(await sr.control_items(request))
+
+    @app.post("/control/continue")
+    async def control_continue(request: Request) -> dict[str, list[str]]:
+        sr.check_admin(request)
+        return sr.resume(await sr.control_items(request))
+
+    @app.api_route("/sessions/{sid}/{path:path}", methods=_METHODS)
+    async def catch_all(sid: str, path: str, request: Request) -> Response:
+        return await sr.forward(sid, path, request)
+
+    return app
