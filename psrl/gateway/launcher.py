@@ -25,6 +25,8 @@ logger = logging.getLogger("psrl.gateway")
 class GatewayConfig:
     host: str = "127.0.0.1"
     router_port_start: int = 8100
+    session_port_start: int = 8200
+    enable_session_router: bool = True
     worker_urls: list[str] = field(default_factory=list)
     policy: str = "round_robin"
     tokenizer_path: str | None = None
@@ -68,7 +70,9 @@ class RolloutGateway:
         config.validate()
         self.config = config
         self.router_url = ""
+        self.session_url = ""
         self._router: subprocess.Popen | None = None
+        self._session: subprocess.Popen | None = None
         self._replicas: list[subprocess.Popen] = []
 
     @property
@@ -102,9 +106,21 @@ class RolloutGateway:
             if self.embedded:
                 self._start_embedded()
             self._wait_workers(len(cfg.worker_urls) or len(cfg.embedded_dp_sizes))
+            if cfg.enable_session_router:
+                self._start_session_router()
         except BaseException:
             self.stop()
             raise
+
+    def _start_session_router(self) -> None:
+        cfg = self.config
+        port = first_free_port(cfg.session_port_start, cfg.host)
+        self.session_url = f"http://{cfg.host}:{port}"
+        args = ["--router-url", self.router_url, "--host", cfg.host, "--port", str(port)]
+        if cfg.admin_api_key:
+            args += ["--admin-api-key", cfg.admin_api_key]
+        self._session = spawn_module("psrl.session", args, log_file=self._log("session"))
+        self._poll("SessionRouter", lambda c: c.get(f"{self.session_url}/control/sessions").status_code == 200)
 
     def _start_embedded(self) -> None:
         cfg = self.config
@@ -136,7 +152,12 @@ class RolloutGateway:
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     def _check_children(self) -> None:
-        for name, proc in [("router", self._router), *((f"replica-{i}", p) for i, p in enumerate(self._replicas))]:
+        named = [
+            ("router", self._router),
+            ("session-router", self._session),
+            *((f"replica-{i}", p) for i, p in enumerate(self._replicas)),
+        ]
+        for name, proc in named:
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up")
 
@@ -161,14 +182,15 @@ class RolloutGateway:
         self._poll(f"{n} workers", lambda c: len(c.get("/workers").json().get("workers", [])) >= n)
 
     def stop(self) -> None:
-        stop_processes([*self._replicas, *([self._router] if self._router else [])])
+        stop_processes([p for p in (self._session, *self._replicas, self._router) if p is not None])
         self._replicas.clear()
         self._router = None
+        self._session = None
 
     def wait(self) -> int:
         """Block until a child dies (returns its code) or the gateway is stopped."""
         while True:
-            for proc in [self._router, *self._replicas]:
+            for proc in [self._router, *self._replicas, *([self._session] if self._session else [])]:
                 if proc is None:
                     return 0
                 if proc.poll() is not None:
@@ -192,7 +214,8 @@ def _banner(gw: RolloutGateway) -> str:
     url = gw.router_url
     return f"""
 psrl-gateway is up
-  router    {url}   (OpenAI API under /v1, PSRL /generate, /workers)
+  router    {url}   (OpenAI API under /v1, PSRL /generate, /workers, /tito/sessions)
+  sessions  {gw.session_url or "(off)"}   (SessionRouter: POST /sessions, then /sessions/<id>/v1/...)
   replicas  {len(workers)} workers, {instances} instances, {kind}, model "{model}"
 
 Try it:
@@ -212,6 +235,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--config", help="YAML file with GatewayConfig keys (flags override it)")
     p.add_argument("--host")
     p.add_argument("--router-port-start", type=int)
+    p.add_argument("--session-port-start", type=int)
+    p.add_argument("--enable-session-router", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--worker-urls", nargs="*")
     p.add_argument("--policy")
     p.add_argument("--tokenizer-path")

@@ -45,7 +45,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _start_gateway(tmp_path: Path) -> tuple[subprocess.Popen, str]:
+def _start_gateway(tmp_path: Path) -> tuple[subprocess.Popen, str, str]:
     env = {**os.environ, "PSRL_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
     port = free_port()
     proc = subprocess.Popen(
@@ -65,32 +65,33 @@ def _start_gateway(tmp_path: Path) -> tuple[subprocess.Popen, str]:
             if select.select([proc.stdout], [], [], 0.5)[0]:
                 out += os.read(proc.stdout.fileno(), 65536).decode(errors="replace")
         match = re.search(r"router\s+(http://127\.0\.0\.1:\d+)", out)
-        assert match, out
+        sessions = re.search(r"sessions\s+(http://127\.0\.0\.1:\d+)", out)
+        assert match and sessions, out
     except BaseException:
         proc.send_signal(signal.SIGTERM)  # never leave a gateway (and its children) behind
         proc.wait(30)
         raise
-    return proc, match.group(1)
+    return proc, match.group(1), sessions.group(1)
 
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    proc, url = _start_gateway(tmp_path_factory.mktemp("gateway"))
-    yield proc, url
+    proc, url, session_url = _start_gateway(tmp_path_factory.mktemp("gateway"))
+    yield proc, url, session_url
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
 
 
 def test_embedded_default_has_two_replicas_three_instances(gateway) -> None:
-    _, url = gateway
+    _, url, _ = gateway
     workers = httpx.get(f"{url}/workers").json()["workers"]
     assert sorted(w["dp_size"] for w in workers) == [1, 2]
     assert {w["worker_id"] for w in workers} == {"replica-0", "replica-1"}
 
 
 def test_chat_with_the_openai_client(gateway) -> None:
-    _, url = gateway
+    _, url, _ = gateway
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
     model = client.models.list().data[0].id
     reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello!"}], max_tokens=8)
@@ -106,7 +107,7 @@ def test_chat_with_the_openai_client(gateway) -> None:
 
 
 def test_generate_equals_the_replica_answer(gateway) -> None:
-    _, url = gateway
+    _, url, _ = gateway
     prompt = [11, 22, 33, 44, 55]
     body = {
         "input_ids": prompt,
@@ -136,12 +137,25 @@ def test_generate_equals_the_replica_answer(gateway) -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_stopping_the_gateway_leaves_no_orphans(tmp_path, sig) -> None:
-    proc, _ = _start_gateway(tmp_path)
+    proc, _, _ = _start_gateway(tmp_path)
     children = _descendants(proc.pid)
-    assert len(children) >= 3  # router + two replicas
+    assert len(children) >= 4  # router, two replicas, SessionRouter
     proc.send_signal(sig)
     proc.wait(30)
     deadline = time.monotonic() + 30
     while any(_alive(p) for p in children):
         assert time.monotonic() < deadline, [p for p in children if _alive(p)]
         time.sleep(0.2)
+
+
+def test_session_router_serves_a_black_box_agent(gateway) -> None:
+    _, url, session_url = gateway
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+    assert httpx.get(f"{session_url}/control/sessions").json()["sessions"] == []
+    sid = httpx.post(f"{session_url}/sessions").json()["session_id"]
+    client = openai.OpenAI(base_url=f"{session_url}/sessions/{sid}/v1", api_key="none", max_retries=0)
+    reply = client.chat.completions.create(model=model, max_tokens=6, messages=[{"role": "user", "content": "Hi"}])
+    assert 0 < reply.usage.completion_tokens <= 6
+    snap = httpx.get(f"{session_url}/sessions/{sid}").json()
+    assert len(snap["trajectories"][0]["records"]) == 1
+    assert httpx.delete(f"{session_url}/sessions/{sid}").status_code == 204
