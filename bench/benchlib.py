@@ -116,3 +116,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
+
+
+def install_signal_handlers(deadline_s: float) -> None:
+    """SIGTERM/SIGHUP end the bench (its finally blocks stop every child); SIGALRM enforces the deadline."""
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(f"stopped by signal {signum}")
+
+    def expire(_signum: int, _frame: object) -> None:
+        raise TimeoutError(f"bench deadline of {deadline_s:.0f}s passed")
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGHUP, stop)
+    signal.signal(signal.SIGALRM, expire)
+    signal.alarm(max(1, int(deadline_s)))

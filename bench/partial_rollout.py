@@ -61,7 +61,7 @@ from pathlib import Path
 
 import grpc
 import httpx
-from benchlib import Procs, free_port, log_tail, wait_for_log
+from benchlib import Procs, free_port, install_signal_handlers, log_tail, wait_for_log
 
 from psrl._proto import replica_control_pb2 as rc
 from psrl._proto import replica_control_pb2_grpc as rc_grpc
@@ -730,19 +730,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _install_signal_handlers(deadline_s: float) -> None:
-    def stop(signum: int, _frame: object) -> None:
-        raise SystemExit(f"stopped by signal {signum}")
-
-    def expire(_signum: int, _frame: object) -> None:
-        raise TimeoutError(f"bench deadline of {deadline_s:.0f}s passed")
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGHUP, stop)
-    signal.signal(signal.SIGALRM, expire)
-    signal.alarm(max(1, int(deadline_s)))
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.pin:
@@ -754,7 +741,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"pinned: replicas on CPU {available[-1]}, router and bench on {available[:-1]}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     log_dir = args.out_dir / "logs" / f"partial_rollout_{args.stamp}"
-    _install_signal_handlers(args.deadline)
+    install_signal_handlers(args.deadline)
     legs: list[Leg] = []
     try:
         for rnd in range(1, args.repeat + 1):

@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchlib import Procs, free_port, log_tail, signal_group, wait_for_log
+from benchlib import Procs, free_port, install_signal_handlers, log_tail, signal_group, wait_for_log
 
 REPO = Path(__file__).resolve().parent.parent
 OUT_DIR = REPO / "bench" / "out"
@@ -1045,19 +1045,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _install_signal_handlers(deadline_s: float) -> None:
-    def stop(signum: int, _frame: object) -> None:
-        raise SystemExit(f"stopped by signal {signum}")
-
-    def expire(_signum: int, _frame: object) -> None:
-        raise TimeoutError(f"bench deadline of {deadline_s:.0f}s passed")
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGHUP, stop)
-    signal.signal(signal.SIGALRM, expire)
-    signal.alarm(max(1, int(deadline_s)))
-
-
 @contextlib.contextmanager
 def _tmp_dir() -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="router_overhead_") as d:
@@ -1083,7 +1070,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     pin_cpus(args.pin)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    _install_signal_handlers(args.deadline)
+    install_signal_handlers(args.deadline)
     run = Run()
     with _tmp_dir() as tmp, Procs(args.out_dir / "logs" / args.stamp) as procs:
         gen = pick_loadgen(args.loadgen, tmp)
