@@ -184,7 +184,7 @@ class RouterApp:
 
     def _endpoint(self, route: str, handler: Handler, auth: bool | None) -> Handler:
         async def endpoint(request: Request) -> AnyResponse:
-            start = time.perf_counter()
+            start = request.arrived
             token = request_id_var.set(request.headers.get("x-request-id", "-"))
             try:
                 if auth is not None:
@@ -401,8 +401,8 @@ class RouterApp:
 
     # ---- selection and dispatch ------------------------------------------------------------------------
 
-    def _stream(self, route: str, ticket: Ticket, events: AsyncIterator[bytes]) -> StreamingResponse:
-        start = time.perf_counter()
+    def _stream(self, route: str, request: Request, ticket: Ticket, events: AsyncIterator[bytes]) -> StreamingResponse:
+        start = request.arrived
 
         async def body() -> AsyncIterator[bytes]:
             first = True
@@ -536,7 +536,7 @@ class RouterApp:
             ticket = await rollout.start()
             if chat.stream:
                 events = self._chat_sse(rollout, tok, chat, rid, created, model)
-                return self._stream("/v1/chat/completions", ticket, events)
+                return self._stream("/v1/chat/completions", request, ticket, events)
             gen = await rollout.collect()
         out_text = tok.decode(gen.output_ids, skip_special_tokens=chat.sampling.skip_special_tokens)
         # Tool calls are parsed out only when the request offered tools, as vLLM does with a parser enabled.
@@ -583,7 +583,9 @@ class RouterApp:
         if req.stream:
             rollout = Rollout(self.dispatcher, model, meta, GenerationInput(rid, model, prompts[0], req.sampling, True))
             ticket = await rollout.start()
-            return self._stream("/v1/completions", ticket, self._completion_sse(rollout, tok, req, rid, created, model))
+            return self._stream(
+                "/v1/completions", request, ticket, self._completion_sse(rollout, tok, req, rid, created, model)
+            )
 
         async def one(index: int, prompt: list[int]) -> tuple[Ticket, Generation]:
             sub_id = rid if len(prompts) == 1 else f"{rid}-{index}"

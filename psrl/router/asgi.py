@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -20,11 +21,12 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 class Request:
-    __slots__ = ("_body", "_receive", "headers", "method", "path", "path_params", "query")
+    __slots__ = ("_body", "_receive", "arrived", "headers", "method", "path", "path_params", "query")
 
     def __init__(self, scope: Scope, receive: Receive, path_params: dict[str, str]) -> None:
         self._receive = receive
         self._body: bytes | None = None
+        self.arrived = time.perf_counter()  # for latency and time-to-first-token metrics
         self.method: str = scope["method"]
         self.path: str = scope["path"]
         self.query: bytes = scope.get("query_string", b"")
