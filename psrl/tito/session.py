@@ -84,6 +84,10 @@ class PreparedTurn:
     mismatch_report: list[dict[str, Any]] = field(default_factory=list)
     prompt_hash: str = field(default="", repr=False)
     num_messages: int = field(default=0, repr=False)
+    # The template's render of this turn's prompt (with the generation prompt): its length and digest, so the
+    # next turn can check that the conversation so far still renders the same without rendering it again.
+    rendered_len: int = field(default=0, repr=False)
+    rendered_digest: bytes = field(default=b"", repr=False)
 
     @property
     def new_tokens(self) -> int:
@@ -106,6 +110,8 @@ class _Node:
     weight_version: int | None
     token_versions: list[int | None] | None
     mismatch_report: list[dict[str, Any]]
+    rendered_len: int = 0
+    rendered_digest: bytes = b""
     assistant_hash: str | None = None  # chain hash through the assistant message, when the router gave it
 
 
@@ -242,7 +248,7 @@ class TitoStore:
             base: list[int] = []
             new_ids: list[int] | None = None
             if parent is not None:
-                suffix = self._suffix_text(parent, msgs, full, tool_list, kwargs)
+                suffix = self._suffix_text(parent, full)
                 if suffix is None:
                     report.append(
                         {
@@ -275,6 +281,8 @@ class TitoStore:
                 mismatch_report=report,
                 prompt_hash=chain[len(msgs)],
                 num_messages=len(msgs),
+                rendered_len=len(full),
+                rendered_digest=_digest(full),
             )
             if traj is None:
                 traj = session.trajectories[trajectory_id] = _Trajectory(trajectory_id)
@@ -329,6 +337,8 @@ class TitoStore:
                 weight_version=weight_version,
                 token_versions=versions,
                 mismatch_report=list(prepared.mismatch_report),
+                rendered_len=prepared.rendered_len,
+                rendered_digest=prepared.rendered_digest,
             )
             if assistant_message is not None:
                 node.assistant_hash = _chain_step(prepared.prompt_hash, _normalize(dict(assistant_message)))
@@ -442,37 +452,28 @@ class TitoStore:
                 return max(candidates, key=lambda node: (node.id in own_path, node.id))
         return None
 
-    def _suffix_text(
-        self,
-        parent: _Node,
-        msgs: list[dict[str, Any]],
-        full: str,
-        tools: list[dict[str, Any]] | None,
-        kwargs: dict[str, Any],
-    ) -> str | None:
+    def _suffix_text(self, parent: _Node, full: str) -> str | None:
         """The text of `full` after what the model sampled in `parent`; None when the template is not prefix-stable.
 
-        ChatML renders an assistant turn as `...<|im_end|>\\n` while the model stops after `<|im_end|>`: the
-        suffix starts right after the end-of-turn text when the output ended with it, and at the end-of-turn
-        text when it did not (a length cut), so that the template's own closing is still added.
+        The conversation up to `parent`'s reply must still render exactly as it did when `parent` was prompted
+        (checked by length and digest, so the history is rendered once per turn, not again). The reply starts
+        there; ChatML renders it as `...<|im_end|>\\n` while the model stops after `<|im_end|>`: the suffix starts
+        right after the end-of-turn text when the output ended with it, and at the end-of-turn text when it did
+        not (a length cut), so that the template's own closing is still added.
         """
-        n = parent.num_messages
-        before = self._render(msgs[:n], True, tools, kwargs)
-        through = self._render(msgs[: n + 1], False, tools, kwargs)
-        if not full.startswith(through):
+        start = parent.rendered_len
+        if len(full) < start or _digest(full[:start]) != parent.rendered_digest:
             return None
-        start = len(before) if through.startswith(before) else 0
-        cut, eot = len(through), ""
-        best = -1
+        best, eot = -1, ""
         for text in self._eot_texts:
-            pos = through.rfind(text, start)
-            if pos > best:
+            pos = full.find(text, start)
+            if pos >= 0 and (best < 0 or pos < best):
                 best, eot = pos, text
-        if best >= 0:
-            out = parent.output_ids
-            ended = bool(out) and out[-1] in self._eos_ids and self.tokenizer.decode(out[-1:], False) == eot
-            cut = best + len(eot) if ended else best
-        return full[cut:]
+        if best < 0:
+            return None
+        out = parent.output_ids
+        ended = bool(out) and out[-1] in self._eos_ids and self.tokenizer.decode(out[-1:], False) == eot
+        return full[best + len(eot) if ended else best :]
 
     def _collect_garbage(self, session: _Session) -> None:
         """Drop nodes no live leaf (kept dead leaves and pending turns' parents included) reaches."""
@@ -525,8 +526,16 @@ def _normalize(value: Any) -> Any:
     return value
 
 
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+
 def _chain_step(previous: str, message: Any) -> str:
-    text = json.dumps(message, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
+    if isinstance(message, dict) and all(isinstance(v, str) for v in message.values()):
+        # The common message (role + text content): skip JSON's escaping, which dominated long histories.
+        text = "\x1e".join(f"{k}\x1f{v}" for k, v in sorted(message.items()))
+    else:
+        text = "\x1d" + json.dumps(message, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
     return hashlib.sha256(previous.encode() + b"\x00" + text.encode()).hexdigest()
 
 

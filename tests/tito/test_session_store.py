@@ -431,3 +431,28 @@ def test_snapshot_shape(tok: Tokenizer) -> None:
     assert node["num_tokens"] == len(p.prompt_ids) + len(out) and node["trajectory_ids"] == [7]
     (leaf,) = snap["tree"]["leaves"]
     assert leaf == {"trajectory_id": 7, "node_id": 0, "parent": None, "path_node_ids": [0], "dead": False}
+
+
+def test_a_template_that_is_not_prefix_stable_falls_back_to_a_full_tokenization(tmp_path) -> None:
+    import json as _json
+
+    from psrl.tito import TitoStore
+    from psrl.tokenizer import Tokenizer, build_tiny_tokenizer
+
+    folder = build_tiny_tokenizer(tmp_path / "tok")
+    config = _json.loads((folder / "tokenizer_config.json").read_text())
+    # Renders the number of messages first: every earlier turn's render changes when a message is added.
+    config["chat_template"] = "{{ messages | length }}" + config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(_json.dumps(config))
+    tok = Tokenizer.from_folder(folder)
+    store = TitoStore(tok)
+    sid = store.create_session()
+    first = [{"role": "user", "content": "Hello there"}]
+    prepared = store.prepare_turn(sid, 0, first)
+    reply = tok.encode("Hi!<|im_end|>")
+    store.record_turn(sid, 0, prepared, output_ids=reply, output_logprobs=[-0.5] * len(reply), finish_reason="stop")
+    second = [*first, {"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "more"}]
+    nxt = store.prepare_turn(sid, 0, second)
+    assert nxt.parent_node_id is None and nxt.reused_tokens == 0
+    assert nxt.prompt_ids == tok.encode(tok.apply_chat_template(second))
+    assert [m["mismatch_type"] for m in nxt.mismatch_report] == ["template_not_prefix_stable"]
