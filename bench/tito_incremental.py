@@ -204,16 +204,12 @@ def incremental_breakdown(
     tok: Tokenizer, messages: list[dict[str, Any]], new_ids: list[int], repeats: int
 ) -> dict[str, float]:
     """Medians of the main steps prepare_turn takes, timed one by one (approximate: the store's own calls)."""
-    n = len(messages) - 2  # the messages the previous turn was prompted with (the parent node's)
     steps: dict[str, list[float]] = {"chain_hashes": [], "renders": [], "suffix_encode": []}
     suffix = tok.decode(new_ids, skip_special_tokens=False)
     for _ in range(repeats):
         steps["chain_hashes"].append(timed(_chain_hashes, messages, [dict(t) for t in TOOLS], {})[0])
-        ms = timed(tok.apply_chat_template, messages, add_generation_prompt=True, tools=TOOLS)[0]
-        if n > 0:
-            ms += timed(tok.apply_chat_template, messages[:n], add_generation_prompt=True, tools=TOOLS)[0]
-            ms += timed(tok.apply_chat_template, messages[: n + 1], add_generation_prompt=False, tools=TOOLS)[0]
-        steps["renders"].append(ms)
+        # prepare_turn renders the whole conversation once per turn
+        steps["renders"].append(timed(tok.apply_chat_template, messages, add_generation_prompt=True, tools=TOOLS)[0])
         steps["suffix_encode"].append(timed(tok._hf.encode, suffix, add_special_tokens=False)[0])
     return {k: statistics.median(v) for k, v in steps.items()}
 
@@ -360,7 +356,7 @@ def print_report(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
             )
     print(f"(render) = the template render alone, part of 'full ms'. Medians of {args.repeats} repeats.")
     print("\nincremental, step by step (ms; timed outside the store, so approximate):")
-    print(f"{'turn':>4} {'chain hashes':>12} {'3 renders':>9} {'suffix encode':>13} {'sum':>7} {'measured':>8}")
+    print(f"{'turn':>4} {'chain hashes':>12} {'render':>9} {'suffix encode':>13} {'sum':>7} {'measured':>8}")
     for r in rows:
         if r["turn"] in shown:
             b = r["incremental_breakdown_ms"]
