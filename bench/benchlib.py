@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import platform
 import re
 import signal
 import socket
@@ -131,3 +132,15 @@ def install_signal_handlers(deadline_s: float) -> None:
     signal.signal(signal.SIGHUP, stop)
     signal.signal(signal.SIGALRM, expire)
     signal.alarm(max(1, int(deadline_s)))
+
+
+def environment() -> dict[str, object]:
+    """Where a benchmark ran: Python, CPUs, and the commit (with how many files under psrl/ differ from it)."""
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "psrl"], cwd=REPO, capture_output=True, text=True)
+    return {
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "git_head": rev.stdout.strip(),
+        "git_dirty_psrl_files": len(dirty.stdout.splitlines()),
+    }

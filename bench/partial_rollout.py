@@ -48,12 +48,10 @@ import itertools
 import json
 import math
 import os
-import platform
 import random
 import resource
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -61,7 +59,7 @@ from pathlib import Path
 
 import grpc
 import httpx
-from benchlib import Procs, free_port, install_signal_handlers, log_tail, wait_for_log
+from benchlib import Procs, environment, free_port, install_signal_handlers, log_tail, wait_for_log
 
 from psrl._proto import replica_control_pb2 as rc
 from psrl._proto import replica_control_pb2_grpc as rc_grpc
@@ -667,17 +665,9 @@ def print_report(legs: list[Leg], args: argparse.Namespace) -> dict[str, float]:
 
 def write_json(legs: list[Leg], ratios: dict[str, float], args: argparse.Namespace) -> Path:
     path = args.out_dir / f"partial_rollout_{args.stamp}.json"
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "psrl"], cwd=REPO, capture_output=True, text=True)
     payload = {
         "settings": {k: v for k, v in vars(args).items() if k != "out_dir"},
-        "environment": {
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "loadavg_at_end": os.getloadavg(),
-            "git_head": rev.stdout.strip(),
-            "git_dirty_psrl_files": len(dirty.stdout.splitlines()),
-        },
+        "environment": {**environment(), "loadavg_at_end": os.getloadavg()},
         "legs": [asdict(leg) for leg in legs],
         "ratios_useful_tok_s": ratios,
     }

@@ -34,7 +34,6 @@ import contextlib
 import hashlib
 import json
 import os
-import platform
 import re
 import resource
 import shutil
@@ -52,6 +51,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import benchlib
 from benchlib import Procs, free_port, install_signal_handlers, log_tail, signal_group, wait_for_log
 
 REPO = Path(__file__).resolve().parent.parent
@@ -971,12 +971,9 @@ def environment(gen: LoadGen) -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             return None
 
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     return {
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
+        **benchlib.environment(),
         "loadavg_at_start": os.getloadavg(),
-        "git_head": rev.stdout.strip(),
         "loadgen": gen.name,
         "smg": version("smg"),
         "vllm_router": version("vllm-router"),

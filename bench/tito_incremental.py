@@ -32,15 +32,15 @@ import argparse
 import gc
 import json
 import os
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from benchlib import environment
 
 from psrl.tito.session import TitoStore, _chain_hashes
 from psrl.tokenizer import Tokenizer, build_tiny_tokenizer
@@ -370,17 +370,9 @@ def write_json(
     rows: list[dict[str, Any]], mismatches: list[str], summary: dict[str, Any], args: argparse.Namespace
 ) -> Path:
     path = args.out_dir / f"tito_incremental_{args.stamp}.json"
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "psrl"], cwd=REPO, capture_output=True, text=True)
     payload = {
         "settings": {k: v for k, v in vars(args).items() if k != "out_dir"},
-        "environment": {
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "loadavg_at_end": os.getloadavg(),
-            "git_head": rev.stdout.strip(),
-            "git_dirty_psrl_files": len(dirty.stdout.splitlines()),
-        },
+        "environment": {**environment(), "loadavg_at_end": os.getloadavg()},
         "summary": summary,
         "mismatches": mismatches,
         "turns": rows,

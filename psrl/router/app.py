@@ -515,8 +515,8 @@ class RouterApp:
         chat = P.parse_chat(body)
         model = resolve_model(self.registry, chat.model)
         rid = new_request_id("chatcmpl")
-        text = "".join(m["content"] for m in chat.messages)
         if not self._needs_tokens(model):
+            text = "".join(m["content"] for m in chat.messages)  # what prefix policies match on over HTTP
             if TitoBridge.turn_of(request.headers) is not None:
                 raise BadRequest(f"TITO needs gRPC workers; model {model!r} is served only over HTTP")
             ticket = await self.dispatcher.acquire(

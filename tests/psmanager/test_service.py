@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
-import select
 import signal
 import subprocess
 import sys
@@ -16,12 +14,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from _procs import start_psmanager
 
 from psrl._proto import psrl_manager_pb2 as pb
 from psrl._proto import psrl_manager_pb2_grpc as pb_grpc
 from psrl.psmanager import PSManagerConfig, PSManagerState
 from psrl.psmanager.client import PSManagerClient, PSManagerError, PSManagerUnavailable
-from psrl.psmanager.server import READY_PREFIX, build_server
+from psrl.psmanager.server import build_server
 
 REPO = Path(__file__).resolve().parents[2]
 A = ("worker-a", 0)
@@ -145,30 +144,6 @@ async def test_a_client_to_nowhere_raises_unavailable() -> None:
 # ---- the real process ------------------------------------------------------------------------------------
 
 
-def start_psmanager(log: Path, *args: str, timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "psrl.psmanager", "--host", "127.0.0.1", *args],
-        stdout=subprocess.PIPE,
-        stderr=open(log, "ab"),  # noqa: SIM115 - the child owns it
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        cwd=REPO,
-        start_new_session=True,
-    )
-    assert proc.stdout is not None
-    out = ""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"psmanager exited with {proc.returncode}:\n{log.read_text(errors='replace')}")
-        if select.select([proc.stdout], [], [], 0.2)[0]:
-            out += os.read(proc.stdout.fileno(), 65536).decode(errors="replace")
-            for line in out.splitlines():
-                if line.startswith(READY_PREFIX + " "):
-                    return proc, line.split()[1]
-    proc.kill()
-    raise TimeoutError(f"psmanager not ready in {timeout_s}s:\n{log.read_text(errors='replace')}")
-
-
 @pytest.fixture
 def procs() -> Iterator[list[subprocess.Popen]]:
     started: list[subprocess.Popen] = []
@@ -180,9 +155,8 @@ def procs() -> Iterator[list[subprocess.Popen]]:
 
 
 async def test_process_serves_stops_on_sigterm(tmp_path: Path, procs: list[subprocess.Popen]) -> None:
-    proc, address = start_psmanager(
-        tmp_path / "psm.log", "--port", "0", "--rollout-n", "4", "--entries-per-buffer", "1"
-    )
+    psm = start_psmanager(tmp_path, args=["--rollout-n", "4", "--entries-per-buffer", "1"])
+    proc, address = psm.proc, psm.url
     procs.append(proc)
     assert address.startswith("127.0.0.1:") and int(address.rsplit(":", 1)[1]) > 0
     async with PSManagerClient(address, timeout_s=5.0) as client:
@@ -195,7 +169,7 @@ async def test_process_serves_stops_on_sigterm(tmp_path: Path, procs: list[subpr
         }
     proc.send_signal(signal.SIGTERM)
     assert await asyncio.to_thread(proc.wait, 15) == 0
-    assert "shutting down" in (tmp_path / "psm.log").read_text()
+    assert "shutting down" in psm.log_text()
 
 
 def test_cli_rejects_bad_config(tmp_path: Path) -> None:
@@ -212,8 +186,8 @@ def test_cli_rejects_bad_config(tmp_path: Path) -> None:
 async def test_client_survives_a_crash_and_a_restart_on_the_same_port(
     tmp_path: Path, procs: list[subprocess.Popen]
 ) -> None:
-    log = tmp_path / "psm.log"
-    proc, address = start_psmanager(log, "--port", "0")
+    psm = start_psmanager(tmp_path)
+    proc, address = psm.proc, psm.url
     procs.append(proc)
     client = PSManagerClient(address, timeout_s=2.0)
     try:
@@ -227,7 +201,8 @@ async def test_client_survives_a_crash_and_a_restart_on_the_same_port(
             await client.snapshot()
 
         port = address.rsplit(":", 1)[1]
-        proc2, address2 = start_psmanager(log, "--port", port)
+        psm2 = start_psmanager(tmp_path, port=int(port))
+        proc2, address2 = psm2.proc, psm2.url
         procs.append(proc2)
         assert address2 == address
 
