@@ -14,6 +14,8 @@ from urllib.parse import urlsplit
 import grpc
 import httpx
 
+from psrl import apis as A
+from psrl.apis import ApiShapeError
 from psrl.psmanager.client import PSManagerClient
 from psrl.router import coordinator_api
 from psrl.router.asgi import AnyResponse, App, Request, Response, StreamingResponse, json_response
@@ -141,6 +143,8 @@ class RouterApp:
             ("/tito/sessions/{session_id}", "GET", self.tito_get, data),
             ("/tito/sessions/{session_id}", "DELETE", self.tito_delete, data),
             ("/v1/chat/completions", "POST", self.chat_completions, data),
+            ("/v1/responses", "POST", self.responses, data),
+            ("/v1/messages", "POST", self.messages, data),
             ("/v1/completions", "POST", self.completions, data),
             ("/generate", "POST", self.generate, data),
         ]
@@ -516,36 +520,97 @@ class RouterApp:
         model = resolve_model(self.registry, chat.model)
         rid = new_request_id("chatcmpl")
         if not self._needs_tokens(model):
-            text = "".join(m["content"] for m in chat.messages)  # what prefix policies match on over HTTP
-            if TitoBridge.turn_of(request.headers) is not None:
-                raise BadRequest(f"TITO needs gRPC workers; model {model!r} is served only over HTTP")
-            ticket = await self.dispatcher.acquire(
-                model, meta, SelectionRequest(rid, model, (), text, meta.routing_key)
-            )
-            return await self._proxy("/v1/chat/completions", ticket, raw, request, chat.stream)
+            return await self._proxy_http("/v1/chat/completions", chat, model, meta, rid, raw, request)
+        turn = TitoBridge.turn_of(request.headers) if self.config.tito.enable_tito else None
+        if chat.stream and turn is None:
+            tok = await self.tokenizers.get(model)
+            prompt = await chat_prompt_ids(chat, tok)
+            rollout = Rollout(self.dispatcher, model, meta, GenerationInput(rid, model, prompt, chat.sampling, True))
+            ticket = await rollout.start()
+            events = self._chat_sse(rollout, tok, chat, rid, int(time.time()), model)
+            return self._stream("/v1/chat/completions", request, ticket, events)
+        ticket, out = await self._chat_completion(chat, model, meta, rid, turn)
+        return _json(out, headers=_instance_headers(ticket))
+
+    async def _proxy_http(
+        self, route: str, chat: P.ChatRequest, model: str, meta: RoutingMeta, rid: str, raw: bytes, request: Request
+    ) -> AnyResponse:
+        """A model served only over HTTP: the body goes to the chosen worker's `route` as it came."""
+        if TitoBridge.turn_of(request.headers) is not None:
+            raise BadRequest(f"TITO needs gRPC workers; model {model!r} is served only over HTTP")
+        text = "".join(m["content"] for m in chat.messages)  # what prefix policies match on over HTTP
+        ticket = await self.dispatcher.acquire(model, meta, SelectionRequest(rid, model, (), text, meta.routing_key))
+        return await self._proxy(route, ticket, raw, request, chat.stream)
+
+    async def _chat_completion(
+        self, chat: P.ChatRequest, model: str, meta: RoutingMeta, rid: str, turn: tuple[str, int] | None
+    ) -> tuple[Ticket, dict[str, Any]]:
+        """A non-streamed chat completion over gRPC workers (a TITO turn when `turn` is set)."""
         tok = await self.tokenizers.get(model)
         created = int(time.time())
-        turn = TitoBridge.turn_of(request.headers) if self.config.tito.enable_tito else None
         if turn is not None:
             ticket, gen = await self._tito_chat(turn, chat, model, meta, rid, tok)
         else:
             prompt = await chat_prompt_ids(chat, tok)
-            rollout = Rollout(
-                self.dispatcher, model, meta, GenerationInput(rid, model, prompt, chat.sampling, chat.stream)
-            )
+            rollout = Rollout(self.dispatcher, model, meta, GenerationInput(rid, model, prompt, chat.sampling, False))
             ticket = await rollout.start()
-            if chat.stream:
-                events = self._chat_sse(rollout, tok, chat, rid, created, model)
-                return self._stream("/v1/chat/completions", request, ticket, events)
             gen = await rollout.collect()
         out_text = tok.decode(gen.output_ids, skip_special_tokens=chat.sampling.skip_special_tokens)
         # Tool calls are parsed out only when the request offered tools, as vLLM does with a parser enabled.
         output = self.tool_parser.parse(out_text) if chat.tools else ParsedOutput(out_text or None)
         logprobs = R.chat_logprobs(tok, gen.output_ids, gen.logprobs, gen.top_logprobs) if chat.logprobs else None
-        body_out = R.chat_completion(
-            request_id=rid, created=created, model=model, output=output, gen=gen, logprobs=logprobs
+        out = R.chat_completion(request_id=rid, created=created, model=model, output=output, gen=gen, logprobs=logprobs)
+        return ticket, out
+
+    async def _converted_chat(
+        self,
+        request: Request,
+        route: str,
+        to_chat: Callable[[dict[str, Any]], dict[str, Any]],
+        from_chat: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]],
+        events: Callable[[dict[str, Any]], list[str]],
+    ) -> AnyResponse:
+        """`/v1/responses` and `/v1/messages`: the body becomes a chat request, runs the chat pipeline (TITO
+        included), and the completion is shaped back; a stream is built from the finished result."""
+        raw = await request.body()
+        body = P.parse_json_body(raw, self.config.max_payload_bytes)
+        meta = parse_routing_meta(request.headers)
+        try:
+            chat_body = to_chat(body)
+        except ApiShapeError as e:
+            raise BadRequest(e.message, param=e.param) from None
+        chat = P.parse_chat(chat_body)
+        stream = P.get_bool(body, "stream", False)
+        model = resolve_model(self.registry, chat.model)
+        rid = new_request_id("chatcmpl")
+        if not self._needs_tokens(model):
+            chat.stream = stream
+            return await self._proxy_http(route, chat, model, meta, rid, raw, request)
+        turn = TitoBridge.turn_of(request.headers) if self.config.tito.enable_tito else None
+        ticket, completion = await self._chat_completion(chat, model, meta, rid, turn)
+        out = from_chat(completion, body)
+        if not stream:
+            return _json(out, headers=_instance_headers(ticket))
+
+        async def frames() -> AsyncIterator[bytes]:
+            for frame in events(out):
+                yield frame.encode()
+
+        return self._stream(route, request, ticket, frames())
+
+    async def responses(self, request: Request) -> AnyResponse:
+        return await self._converted_chat(
+            request, "/v1/responses", A.responses_to_chat, A.chat_to_response, A.response_sse_events
         )
-        return _json(body_out, headers=_instance_headers(ticket))
+
+    async def messages(self, request: Request) -> AnyResponse:
+        return await self._converted_chat(
+            request,
+            "/v1/messages",
+            A.messages_to_chat,
+            lambda completion, _: A.chat_to_message(completion),
+            A.message_sse_events,
+        )
 
     def _chat_sse(
         self, source: Rollout, tok: Tokenizer, chat: P.ChatRequest, rid: str, created: int, model: str

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -13,8 +13,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from psrl.apis import chat_sse_events, message_sse_events, response_sse_events
 from psrl.session.config import SessionConfig
-from psrl.session.sse import chat_sse_events
 from psrl.session.state import (
     RANK_HEADER,
     WORKER_HEADER,
@@ -28,6 +28,13 @@ from psrl.session.state import (
 logger = logging.getLogger("psrl.session")
 
 _METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+CHAT_PATH = "v1/chat/completions"
+# The agent APIs a session serves as turns, each with the SSE sequence its streaming clients expect.
+TURN_APIS: dict[str, Callable[[dict[str, Any]], list[str]]] = {
+    CHAT_PATH: chat_sse_events,
+    "v1/responses": response_sse_events,
+    "v1/messages": message_sse_events,
+}
 
 
 class SessionError(Exception):
@@ -87,12 +94,21 @@ def _json_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _usage_of(upstream: httpx.Response) -> dict[str, Any] | None:
+def _usage_counts(usage: Any) -> dict[str, int] | None:
+    """(prompt_tokens, completion_tokens) from any of the APIs' usage shapes (chat, or Responses/Messages'
+    input_tokens/output_tokens)."""
+    if not isinstance(usage, dict):
+        return None
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    completion = usage.get("completion_tokens", usage.get("output_tokens"))
+    return {"prompt_tokens": int(prompt or 0), "completion_tokens": int(completion or 0)}
+
+
+def _usage_of(upstream: httpx.Response) -> dict[str, int] | None:
     try:
-        usage = upstream.json().get("usage")
+        return _usage_counts(upstream.json().get("usage"))
     except (ValueError, AttributeError):
         return None
-    return usage if isinstance(usage, dict) else None
 
 
 class SessionRouter:
@@ -182,31 +198,32 @@ class SessionRouter:
         if state.closing:
             raise SessionClosing("session is closing")
 
-    async def chat_turn(self, sid: str, request: Request) -> Response:
+    async def api_turn(self, sid: str, path: str, request: Request) -> Response:
+        """A turn on one of the agent APIs (`TURN_APIS`): sent upstream non-streamed (chat also with log-probs);
+        a client that asked for a stream gets the API's SSE sequence built from the buffered result."""
         state = self.state(sid)
         body = _json_body(await request.body())
         wants_stream = bool(body.get("stream"))
         body["stream"] = False
         body.pop("stream_options", None)
-        body["logprobs"] = True
-        body["top_logprobs"] = 1
+        if path == CHAT_PATH:
+            body["logprobs"] = True
+            body["top_logprobs"] = 1
         await self._admit(state)
         headers, trajectory = state.turn_headers(request.headers, self.strategy)
         headers["content-type"] = "application/json"
         state.begin_turn()
         try:
-            upstream = await self.upstream(
-                "POST", "/v1/chat/completions", content=json.dumps(body).encode(), headers=headers
-            )
+            upstream = await self.upstream("POST", f"/{path}", content=json.dumps(body).encode(), headers=headers)
             if upstream.is_success:
                 result = upstream.json()
-                state.record_success(upstream.headers, result.get("usage"))
+                state.record_success(upstream.headers, _usage_counts(result.get("usage")))
                 state.advance_trajectory(trajectory)
         finally:
             state.end_turn()
         if not upstream.is_success or not wants_stream:
             return _upstream_response(upstream)
-        events = chat_sse_events(result)
+        events = TURN_APIS[path](result)
 
         async def stream() -> AsyncIterator[str]:
             for event in events:
@@ -321,9 +338,12 @@ def create_app(config: SessionConfig, *, transport: httpx.AsyncBaseTransport | N
         sr.state(sid)
         return {"input_tokens": 0}
 
-    @app.post("/sessions/{sid}/v1/chat/completions")
-    async def chat_completions(sid: str, request: Request) -> Response:
-        return await sr.chat_turn(sid, request)
+    for api_path in TURN_APIS:
+
+        async def api_turn(sid: str, request: Request, path: str = api_path) -> Response:
+            return await sr.api_turn(sid, path, request)
+
+        app.add_api_route(f"/sessions/{{sid}}/{api_path}", api_turn, methods=["POST"])
 
     @app.get("/control/sessions")
     async def control_sessions(request: Request) -> dict[str, Any]:

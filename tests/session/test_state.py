@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from psrl.session.sse import chat_sse_events
+from psrl.apis import chat_sse_events
 from psrl.session.state import SessionState, session_headers_from, session_ids_of
 
 

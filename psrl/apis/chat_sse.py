@@ -1,4 +1,4 @@
-"""An SSE chat-completion stream rebuilt from a buffered (non-streamed) result. Pure."""
+"""An SSE chat-completion stream rebuilt from a buffered (non-streamed) chat completion. Pure."""
 
 from __future__ import annotations
 
