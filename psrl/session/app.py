@@ -199,8 +199,9 @@ class SessionRouter:
             raise SessionClosing("session is closing")
 
     async def api_turn(self, sid: str, path: str, request: Request) -> Response:
-        """A turn on one of the agent APIs (`TURN_APIS`): sent upstream non-streamed (chat also with log-probs);
-        a client that asked for a stream gets the API's SSE sequence built from the buffered result."""
+        """A turn on one of the agent APIs (`TURN_APIS`): sent upstream non-streamed (chat also with log-probs),
+        after the trajectory's previous turn; a client that asked for a stream gets the API's SSE sequence built
+        from the buffered result."""
         state = self.state(sid)
         body = _json_body(await request.body())
         wants_stream = bool(body.get("stream"))
@@ -209,18 +210,19 @@ class SessionRouter:
         if path == CHAT_PATH:
             body["logprobs"] = True
             body["top_logprobs"] = 1
-        await self._admit(state)
-        headers, trajectory = state.turn_headers(request.headers, self.strategy)
-        headers["content-type"] = "application/json"
-        state.begin_turn()
-        try:
-            upstream = await self.upstream("POST", f"/{path}", content=json.dumps(body).encode(), headers=headers)
-            if upstream.is_success:
-                result = upstream.json()
-                state.record_success(upstream.headers, _usage_counts(result.get("usage")))
-                state.advance_trajectory(trajectory)
-        finally:
-            state.end_turn()
+        async with state.turn_lock(request.headers, self.strategy):
+            await self._admit(state)
+            headers, trajectory = state.turn_headers(request.headers, self.strategy)
+            headers["content-type"] = "application/json"
+            state.begin_turn()
+            try:
+                upstream = await self.upstream("POST", f"/{path}", content=json.dumps(body).encode(), headers=headers)
+                if upstream.is_success:
+                    result = upstream.json()
+                    state.record_success(upstream.headers, _usage_counts(result.get("usage")))
+                    state.advance_trajectory(trajectory)
+            finally:
+                state.end_turn()
         if not upstream.is_success or not wants_stream:
             return _upstream_response(upstream)
         events = TURN_APIS[path](result)

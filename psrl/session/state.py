@@ -75,6 +75,8 @@ class SessionState:
     continue_event: asyncio.Event = field(default_factory=asyncio.Event)
     # Set while no turn is in flight; DELETE waits on it.
     drained: asyncio.Event = field(default_factory=asyncio.Event)
+    # One lock per trajectory id (None: the auto strategy's single chain).
+    turn_locks: dict[str | None, asyncio.Lock] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.continue_event.set()
@@ -85,6 +87,12 @@ class SessionState:
         return "generate" if self.inflight > 0 else "env"
 
     # ---- turn lifecycle -------------------------------------------------------------------------------
+
+    def turn_lock(self, request_headers: Mapping[str, str], strategy: TrajectoryStrategy) -> asyncio.Lock:
+        """Turns of one trajectory run one at a time, in arrival order: TITO records a trajectory as a chain of
+        turns, so an agent that fires its next turn before the last one answered waits instead of failing."""
+        key = None if strategy == "auto" else (request_headers.get(TRAJECTORY_HEADER) or "0")
+        return self.turn_locks.setdefault(key, asyncio.Lock())
 
     def begin_turn(self) -> None:
         self.inflight += 1

@@ -211,14 +211,32 @@ async def test_closing_while_a_turn_is_in_flight(client: httpx.AsyncClient, mock
     mock.gate = asyncio.Event()
     first = asyncio.create_task(_turn(client, sid))
     await asyncio.wait_for(mock.entered.wait(), 5)
+    queued = asyncio.create_task(_turn(client, sid))  # same trajectory: waits for the first turn
     deleting = asyncio.create_task(client.delete(f"/sessions/{sid}"))
     await asyncio.sleep(0.05)
-    r = await _turn(client, sid)
+    r = await _turn(client, sid, {"x-smg-tito-trajectory-id": "1"})  # another trajectory: refused at once
     assert r.status_code == 409 and r.json() == {"error": "session is closing"}
-    assert not deleting.done()  # waits for the in-flight turn
+    assert not deleting.done() and not queued.done()  # DELETE waits for the in-flight turn
     mock.gate.set()
     assert (await first).status_code == 200
+    assert (await asyncio.wait_for(queued, 5)).status_code == 409
     assert (await asyncio.wait_for(deleting, 5)).status_code == 204
+
+
+async def test_turns_of_one_trajectory_run_one_at_a_time(client: httpx.AsyncClient, mock: MockRouter) -> None:
+    sid = await _session(client)
+    mock.gate = asyncio.Event()
+    first = asyncio.create_task(_turn(client, sid))
+    await asyncio.wait_for(mock.entered.wait(), 5)
+    second = asyncio.create_task(_turn(client, sid))
+    other = asyncio.create_task(_turn(client, sid, {"x-smg-tito-trajectory-id": "1"}))
+    await asyncio.sleep(0.1)
+    trajectories = [h.get("x-smg-tito-trajectory-id") for kind, h, _ in mock.calls if kind == "chat"]
+    assert trajectories == ["0", "1"]  # the second turn of trajectory 0 is held, trajectory 1 is not
+    mock.gate.set()
+    assert [(await t).status_code for t in (first, second, other)] == [200, 200, 200]
+    trajectories = [h.get("x-smg-tito-trajectory-id") for kind, h, _ in mock.calls if kind == "chat"]
+    assert trajectories == ["0", "1", "0"]
 
 
 async def test_streaming_reply_is_built_from_the_buffered_result(client: httpx.AsyncClient, mock: MockRouter) -> None:
