@@ -33,7 +33,7 @@ from psrl.engine.model import Qwen2Model
 from psrl.engine.prefix_cache import BlockPool, hash_block_tokens
 from psrl.engine.request import RequestOutput
 from psrl.engine.sampler import SamplingOptions
-from psrl.engine.sync import PauseMode, SyncAbortedRequest
+from psrl.engine.sync import KvLease, PauseMode, PreloadedKV, SyncAbortedRequest
 
 __all__ = [
     "AdmissionClosedError",
@@ -58,11 +58,13 @@ __all__ = [
     "KvEventStream",
     "KvEventsOverflowError",
     "KvEventsUpdate",
+    "KvLease",
     "MaxModelLenExceededError",
     "ModelConfig",
     "OutOfBlocks",
     "PagedKVCache",
     "PauseMode",
+    "PreloadedKV",
     "Qwen2Model",
     "RequestOutput",
     "RequestStream",

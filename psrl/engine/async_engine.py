@@ -32,7 +32,7 @@ from psrl.engine.kv_events import KvEvent, KvEventsUpdate
 from psrl.engine.model import Qwen2Model
 from psrl.engine.request import RequestOutput
 from psrl.engine.sampler import SamplingOptions
-from psrl.engine.sync import PauseMode, SyncAbortedRequest
+from psrl.engine.sync import PauseMode, PreloadedKV, SyncAbortedRequest
 
 logger = logging.getLogger(__name__)
 
@@ -159,8 +159,16 @@ class AsyncEngine:
 
     # ---- public API -----------------------------------------------------------------------------
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingOptions) -> RequestStream:
-        """Add a request and return its stream of delta outputs.
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingOptions,
+        *,
+        preloaded: PreloadedKV | None = None,
+        kv_pending: bool = False,
+    ) -> RequestStream:
+        """Add a request and return its stream of delta outputs (`preloaded`, `kv_pending`: Engine.add_request).
 
         Validation errors (typed ValueErrors) raise here, before any iteration. Use as
         `async for out in engine.generate(...)`; must be called with a running event loop.
@@ -175,7 +183,7 @@ class AsyncEngine:
                 raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
             self._streams[request_id] = (loop, stream._queue)
         try:
-            self.engine.add_request(request_id, prompt_token_ids, sampling)
+            self.engine.add_request(request_id, prompt_token_ids, sampling, preloaded=preloaded, kv_pending=kv_pending)
         except BaseException:
             stream._done = True
             with self._streams_lock:
@@ -183,6 +191,13 @@ class AsyncEngine:
             raise
         self._notify()
         return stream
+
+    def attach_kv(self, request_id: str, kv: PreloadedKV | None) -> bool:
+        """Release a `kv_pending` request (see Engine.attach_kv) and wake the step thread."""
+        attached = self.engine.attach_kv(request_id, kv)
+        if attached:
+            self._notify()
+        return attached
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request; its stream ends with an "abort" output. False if unknown or finished."""

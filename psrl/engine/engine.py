@@ -19,7 +19,8 @@ pause modes.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,14 +39,14 @@ from psrl.engine.errors import (
     MaxModelLenExceededError,
     TokenOutOfRangeError,
 )
-from psrl.engine.kv_cache import CacheConfig, PagedKVCache
+from psrl.engine.kv_cache import CacheConfig, PagedKVCache, blocks_for_tokens
 from psrl.engine.kv_events import KvEvent
 from psrl.engine.model import Qwen2Model
-from psrl.engine.prefix_cache import BlockPool
+from psrl.engine.prefix_cache import BlockPool, extend_block_hashes
 from psrl.engine.request import Request, RequestOutput, RequestStatus
 from psrl.engine.sampler import Sampler, SampleResult, SamplingOptions
 from psrl.engine.scheduler import ScheduledChunk, Scheduler
-from psrl.engine.sync import SyncAbortedRequest
+from psrl.engine.sync import KvLease, PreloadedKV, SyncAbortedRequest
 
 
 @dataclass(frozen=True)
@@ -112,9 +113,14 @@ class Engine:
         self._step_lock = threading.Lock()  # one step at a time; weight swaps between steps
         self._admission_closed: str | None = None  # why new requests are refused; None = open
         self._frozen = False
-        # Seam for KV migration: called (under the engine lock) for each request a sync pause aborts, while
-        # its blocks are still held, so a later hook can pin them for a transfer before they are freed.
+        # Called (under the engine lock) for each request a sync pause aborts, while its blocks are still held.
         self.on_sync_abort: Callable[[SyncAbortedRequest], None] | None = None
+        # KV migration: with a TTL set, a sync abort pins the request's KV blocks (for a peer to pull) instead
+        # of freeing them; a pin ends when unpinned, when the request comes back here, or when it expires.
+        self.kv_pin_ttl_s: float | None = None
+        # Prompt positions this engine computed (prefill work; what a prefix-cache hit or migrated KV saves).
+        self.num_prompt_tokens_computed = 0
+        self._pins: dict[str, _Pin] = {}
 
     # ---- weights --------------------------------------------------------------------------------
 
@@ -175,7 +181,17 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingOptions) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingOptions,
+        *,
+        preloaded: PreloadedKV | None = None,
+        kv_pending: bool = False,
+    ) -> None:
+        """Queue a request. `preloaded`: migrated KV for its leading tokens (the blocks become the request's);
+        `kv_pending`: hold it until `attach_kv` hands it its migrated KV (or none: then it is prefilled)."""
         closed = self._admission_closed
         if closed is not None:  # refused before validation, like a paused vLLM servicer
             raise AdmissionClosedError(closed)
@@ -195,13 +211,40 @@ class Engine:
             )
         max_total = self._max_total_tokens(request_id, len(prompt), sampling.max_tokens)
         request = Request(request_id, prompt, sampling, max_total)
+        if preloaded is not None:
+            self._check_preloaded(request, preloaded)
         with self._lock:
             if self._admission_closed is not None:  # closed while this request was being validated
                 raise AdmissionClosedError(self._admission_closed)
             if request_id in self._requests or request_id in self._pending_abort_ids:
                 raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
+            self._drop_pin_locked(request_id)  # it came back here: its pin (if any) is not needed any more
             self._requests[request_id] = request
+            if kv_pending:
+                request.status = RequestStatus.WAITING_FOR_KV
+                return
+            if preloaded is not None:
+                self._preload_locked(request, preloaded)
             self._scheduler.add(request)
+
+    def _check_preloaded(self, request: Request, kv: PreloadedKV) -> None:
+        block_size = self.cache_config.block_size
+        if not 0 < kv.num_tokens < request.num_tokens:
+            raise InvalidRequestError(
+                f"request {request.request_id!r}: migrated KV for {kv.num_tokens} tokens of a "
+                f"{request.num_tokens}-token prompt (it must leave at least the last token to compute)"
+            )
+        if len(kv.block_ids) != blocks_for_tokens(kv.num_tokens, block_size):
+            raise InvalidRequestError(
+                f"request {request.request_id!r}: {len(kv.block_ids)} blocks for {kv.num_tokens} migrated tokens "
+                f"(block_size {block_size})"
+            )
+
+    def _preload_locked(self, request: Request, kv: PreloadedKV) -> None:
+        request.block_ids = list(kv.block_ids)
+        request.num_computed_tokens = kv.num_tokens
+        request.num_cached_tokens = kv.num_tokens  # reported like a prefix-cache hit: not prefilled here
+        request.cache_epoch = -1  # computed elsewhere (maybe under other weights): never shared via the cache
 
     def _max_total_tokens(self, request_id: str, prompt_len: int, max_tokens: int | None) -> int:
         """The most tokens (prompt + output) this request may reach, or a typed error if it cannot run."""
@@ -305,7 +348,8 @@ class Engine:
         """
         aborted = []
         with self._lock:
-            for req in [*self._scheduler.running, *self._scheduler.waiting]:
+            held = [r for r in self._requests.values() if r.status is RequestStatus.WAITING_FOR_KV]
+            for req in [*self._scheduler.running, *self._scheduler.waiting, *held]:
                 snapshot = SyncAbortedRequest(
                     request_id=req.request_id,
                     token_ids=tuple(req.token_ids),
@@ -315,6 +359,8 @@ class Engine:
                 )
                 if self.on_sync_abort is not None:
                     self.on_sync_abort(snapshot)
+                if self.kv_pin_ttl_s is not None:
+                    self._pin_locked(req, self.kv_pin_ttl_s)
                 self._abort_locked(req)
                 aborted.append(snapshot)
         return aborted
@@ -328,6 +374,94 @@ class Engine:
         with self._lock:
             req = self._requests.get(request_id)
             return None if req is None else list(req.block_ids)
+
+    # ---- KV migration ---------------------------------------------------------------------------
+
+    def pin_kv(self, request_id: str, ttl_s: float) -> int:
+        """Pin a live request's computed KV for `ttl_s` seconds (it keeps running); returns the tokens pinned."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                raise InvalidRequestError(f"request {request_id!r} is not running here: nothing to pin")
+            return self._pin_locked(req, ttl_s)
+
+    def unpin_kv(self, request_id: str) -> bool:
+        with self._lock:
+            return self._drop_pin_locked(request_id)
+
+    @property
+    def num_pinned(self) -> int:
+        return len(self._pins)
+
+    def lease_kv(self, request_id: str, token_ids: Sequence[int], *, allow_prefix_cache: bool) -> KvLease | None:
+        """The source side of a transfer: blocks holding the K/V of the longest prefix of `token_ids` that the
+        request's pin holds (or, with `allow_prefix_cache` and no pin, the prefix cache's full blocks). The
+        blocks get an extra reference, so they stay valid until `release_blocks` even if the pin ends."""
+        block_size = self.cache_config.block_size
+        with self._lock:
+            self._expire_pins_locked()
+            pin = self._pins.get(request_id)
+            if pin is not None:
+                n = _common_prefix(pin.token_ids, token_ids)
+                ids = list(pin.block_ids[: blocks_for_tokens(n, block_size)])
+                source = "pin"
+            elif allow_prefix_cache and self.enable_prefix_caching:
+                hashes: list[int] = []
+                extend_block_hashes(hashes, token_ids, block_size, len(token_ids) // block_size)
+                ids = self._pool.cached_prefix(hashes)
+                n = len(ids) * block_size
+                source = "prefix_cache"
+            else:
+                return None
+            if n == 0:
+                return None
+            self._pool.touch(ids)
+            return KvLease(tuple(token_ids[:n]), n, tuple(ids), source)
+
+    def reserve_blocks(self, num_tokens: int) -> list[int]:
+        """Fresh blocks for `num_tokens` incoming migrated tokens (OutOfBlocks when the cache cannot spare them)."""
+        with self._lock:
+            return self._pool.allocate(blocks_for_tokens(num_tokens, self.cache_config.block_size))
+
+    def release_blocks(self, block_ids: Sequence[int]) -> None:
+        """Drop the reference a lease or a reservation took."""
+        with self._lock:
+            self._pool.free(block_ids)
+
+    def attach_kv(self, request_id: str, kv: PreloadedKV | None) -> bool:
+        """Release a `kv_pending` request into the queue, with its migrated KV or (None) to be prefilled.
+        False when it is gone (aborted meanwhile): the caller still owns `kv`'s blocks then."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is None or req.status is not RequestStatus.WAITING_FOR_KV:
+                return False
+            if kv is not None:
+                self._check_preloaded(req, kv)
+                self._preload_locked(req, kv)
+            self._scheduler.add(req)
+            return True
+
+    def _pin_locked(self, req: Request, ttl_s: float) -> int:
+        n = req.num_computed_tokens
+        if n == 0:
+            return 0
+        ids = req.block_ids[: blocks_for_tokens(n, self.cache_config.block_size)]
+        self._drop_pin_locked(req.request_id)
+        self._pool.touch(ids)
+        self._pins[req.request_id] = _Pin(tuple(req.token_ids[:n]), tuple(ids), time.monotonic() + ttl_s)
+        return n
+
+    def _drop_pin_locked(self, request_id: str) -> bool:
+        pin = self._pins.pop(request_id, None)
+        if pin is None:
+            return False
+        self._pool.free(pin.block_ids)
+        return True
+
+    def _expire_pins_locked(self) -> None:
+        now = time.monotonic()
+        for request_id in [r for r, p in self._pins.items() if p.expires_at <= now]:
+            self._drop_pin_locked(request_id)
 
     # ---- prefix cache and KV events -------------------------------------------------------------
 
@@ -377,6 +511,8 @@ class Engine:
         """Schedule, run one forward over every scheduled token, sample, and return delta outputs."""
         with self._step_lock:
             with self._lock:
+                if self._pins:
+                    self._expire_pins_locked()
                 if self._frozen:
                     return self._take_pending_outputs()
                 chunks = self._scheduler.schedule()
@@ -424,6 +560,7 @@ class Engine:
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the forward ran: its abort output is already queued
             req.num_computed_tokens = chunk.start + chunk.num_tokens
+            self.num_prompt_tokens_computed += max(0, min(req.num_computed_tokens, req.num_prompt_tokens) - chunk.start)
             self._scheduler.cache_computed_blocks(req)
             if not chunk.samples:
                 continue
@@ -469,7 +606,8 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._scheduler.waiting)
+        """Requests not running: queued, or waiting for migrated KV."""
+        return len(self._requests) - len(self._scheduler.running)
 
     @property
     def num_used_blocks(self) -> int:
@@ -496,7 +634,7 @@ class Engine:
         with self._lock:
             return EngineStats(
                 num_running=len(self._scheduler.running),
-                num_waiting=len(self._scheduler.waiting),
+                num_waiting=len(self._requests) - len(self._scheduler.running),  # queued or waiting for KV
                 num_used_blocks=self._pool.num_used,
                 num_total_blocks=self._pool.num_total,
                 block_size=self.cache_config.block_size,
@@ -509,3 +647,18 @@ class Engine:
                 prefix_cache_queries=self._scheduler.prefix_cache_queries,
                 prefix_cache_hits=self._scheduler.prefix_cache_hits,
             )
+
+
+@dataclass(frozen=True)
+class _Pin:
+    token_ids: tuple[int, ...]  # the tokens whose K/V the blocks hold
+    block_ids: tuple[int, ...]
+    expires_at: float  # time.monotonic()
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -11,6 +11,7 @@ from psrl.engine.sampler import SamplingOptions
 
 
 class RequestStatus(enum.Enum):
+    WAITING_FOR_KV = "waiting_for_kv"  # admitted, not schedulable until its migrated KV lands (or fails)
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"

@@ -50,7 +50,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, request: Request) -> None:
-        """Remove a request (finished or aborted) wherever it is and free its blocks."""
+        """Remove a request (finished or aborted) wherever it is and free its blocks (a request still waiting
+        for migrated KV is in no queue yet)."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
@@ -83,24 +84,33 @@ class Scheduler:
 
         # No admissions in a step that had to preempt: the cache is already too tight.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]  # a waiting request holds no blocks and no computed tokens
-            hits = self._cached_prefix(req)
-            num_hit_tokens = len(hits) * self.block_size
-            n = min(req.num_tokens - num_hit_tokens, budget)
-            need = blocks_for_tokens(num_hit_tokens + n, self.block_size) - len(hits)
-            if need + self.pool.num_evictable(hits) > self.pool.num_free:
-                break
-            self.waiting.popleft()
-            self.pool.touch(hits)  # before allocate, which could otherwise evict them
-            req.block_ids = hits + self.pool.allocate(need)
-            req.num_computed_tokens = num_hit_tokens
-            req.num_cached_blocks = len(hits)
-            req.cache_epoch = self.pool.epoch
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit_tokens
-            if self.pool.enable_caching:
-                self.prefix_cache_queries += req.num_tokens
-                self.prefix_cache_hits += num_hit_tokens
+            req = self.waiting[0]
+            if req.block_ids:
+                # Migrated KV (PreloadedKV): its blocks and computed tokens came with it; nothing to look up.
+                n = min(req.num_uncomputed_tokens, budget)
+                need = self._blocks_needed(req, n)
+                if need > self.pool.num_free:
+                    break
+                self.waiting.popleft()
+                req.block_ids.extend(self.pool.allocate(need))
+            else:
+                hits = self._cached_prefix(req)  # otherwise a waiting request holds no blocks, no computed tokens
+                num_hit_tokens = len(hits) * self.block_size
+                n = min(req.num_tokens - num_hit_tokens, budget)
+                need = blocks_for_tokens(num_hit_tokens + n, self.block_size) - len(hits)
+                if need + self.pool.num_evictable(hits) > self.pool.num_free:
+                    break
+                self.waiting.popleft()
+                self.pool.touch(hits)  # before allocate, which could otherwise evict them
+                req.block_ids = hits + self.pool.allocate(need)
+                req.num_computed_tokens = num_hit_tokens
+                req.num_cached_blocks = len(hits)
+                req.cache_epoch = self.pool.epoch
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit_tokens
+                if self.pool.enable_caching:
+                    self.prefix_cache_queries += req.num_tokens
+                    self.prefix_cache_hits += num_hit_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))

@@ -27,3 +27,23 @@ class SyncAbortedRequest:
     @property
     def output_token_ids(self) -> tuple[int, ...]:
         return self.token_ids[self.num_prompt_tokens :]
+
+
+@dataclass(frozen=True)
+class KvLease:
+    """KV blocks lent out for a transfer: the first `num_tokens` tokens of `token_ids` have their K/V in
+    `block_ids` (the last block may be partial). The blocks carry an extra reference until released."""
+
+    token_ids: tuple[int, ...]
+    num_tokens: int
+    block_ids: tuple[int, ...]
+    source: str  # "pin" | "prefix_cache"
+
+
+@dataclass(frozen=True)
+class PreloadedKV:
+    """KV moved in from another engine: `block_ids` (reserved here) hold the K/V of the prompt's first
+    `num_tokens` tokens, so those are not prefilled again."""
+
+    block_ids: tuple[int, ...]
+    num_tokens: int

@@ -1,0 +1,133 @@
+"""The engine side of KV migration: pins on a sync abort, leases for a transfer, migrated KV that skips prefill,
+and requests held until their KV lands. Blocks move with psrl.kv's gather/scatter, in process."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from psrl.engine import Engine, InvalidRequestError, OutOfBlocks, PreloadedKV
+from psrl.kv import gather_blocks, scatter_blocks
+
+from .helpers import drain, greedy, make_engine, prompts
+
+
+def _interrupted(engine: Engine, rid: str, prompt: list[int], steps: int) -> list[int]:
+    """Run `rid` for `steps` steps, then a sync abort; returns prompt + everything it produced."""
+    engine.add_request(rid, prompt, greedy(200, logprobs=0, ignore_eos=True))
+    out: list[int] = []
+    for _ in range(steps):
+        for o in engine.step():
+            out += o.new_token_ids
+    engine.close_admission("sync")
+    [aborted] = engine.abort_all_for_sync()
+    engine.step()  # hands out the abort output
+    engine.open_admission()
+    assert list(aborted.output_token_ids) == out
+    return prompt + out
+
+
+def _move(src: Engine, dst: Engine, rid: str, tokens: list[int]) -> PreloadedKV:
+    lease = src.lease_kv(rid, tokens, allow_prefix_cache=False)
+    assert lease is not None and lease.source == "pin"
+    buffer = gather_blocks(src.kv_cache.layers, list(lease.block_ids))
+    src.release_blocks(lease.block_ids)
+    ids = dst.reserve_blocks(lease.num_tokens)
+    scatter_blocks(buffer, dst.kv_cache.layers, ids)
+    return PreloadedKV(tuple(ids), lease.num_tokens)
+
+
+def test_migrated_kv_continues_exactly_and_skips_prefill() -> None:
+    [prompt] = prompts([150], seed=5)
+    reference = make_engine()
+    reference.add_request("r", prompt, greedy(200, logprobs=0, ignore_eos=True))
+    expected = drain(reference)["r"]
+
+    src, dst = make_engine(), make_engine()
+    src.kv_pin_ttl_s = 30.0
+    tokens = _interrupted(src, "r", prompt, steps=40)
+    assert src.num_pinned == 1
+    kv = _move(src, dst, "r", tokens)
+    assert kv.num_tokens == len(tokens) - 1  # all but the last sampled token, which was never computed
+    before = dst.num_prompt_tokens_computed
+    dst.add_request("r", tokens, greedy(200 - (len(tokens) - len(prompt)), logprobs=0, ignore_eos=True), preloaded=kv)
+    got = drain(dst)["r"]
+    assert tokens[len(prompt) :] + got.token_ids == expected.token_ids
+    assert got.last is not None and got.last.num_cached_tokens == kv.num_tokens
+    assert dst.num_prompt_tokens_computed - before == 1  # only the last prompt token was computed
+    assert src.unpin_kv("r") and not src.unpin_kv("r") and src.num_pinned == 0
+    assert src.num_used_blocks == 0 and dst.num_used_blocks == 0
+
+
+def test_pins_expire_and_end_when_the_request_returns() -> None:
+    [prompt] = prompts([40], seed=2)
+    engine = make_engine()
+    engine.kv_pin_ttl_s = 0.05
+    tokens = _interrupted(engine, "r", prompt, steps=5)
+    used = engine.num_used_blocks
+    assert used > 0 and engine.num_pinned == 1
+    time.sleep(0.06)
+    assert engine.lease_kv("r", tokens, allow_prefix_cache=False) is None  # expired: nothing to lend
+    assert engine.num_pinned == 0 and engine.num_used_blocks == 0
+    engine.kv_pin_ttl_s = 30.0
+    tokens = _interrupted(engine, "r2", prompt, steps=5)
+    engine.add_request("r2", tokens, greedy(3))  # back on the same engine: the pin is not needed any more
+    assert engine.num_pinned == 0
+    drain(engine)
+
+
+def test_lease_serves_the_matching_prefix_and_the_prefix_cache() -> None:
+    [prompt] = prompts([64], seed=3)
+    engine = make_engine()
+    engine.kv_pin_ttl_s = 30.0
+    tokens = _interrupted(engine, "r", prompt, steps=10)
+    diverged = [*tokens[:20], (tokens[20] + 1) % 256, *tokens[21:]]
+    lease = engine.lease_kv("r", diverged, allow_prefix_cache=False)
+    assert lease is not None and lease.num_tokens == 20 and len(lease.block_ids) == 2  # a partial last block
+    engine.release_blocks(lease.block_ids)
+    engine.unpin_kv("r")
+    assert engine.lease_kv("r", tokens, allow_prefix_cache=False) is None
+    cached = engine.lease_kv("r", tokens, allow_prefix_cache=True)  # the abort left full blocks in the cache
+    assert cached is not None and cached.source == "prefix_cache" and cached.num_tokens % 16 == 0
+    assert cached.num_tokens >= 64
+    engine.release_blocks(cached.block_ids)
+
+
+def test_a_held_request_waits_for_its_kv_and_falls_back_to_prefill() -> None:
+    [prompt] = prompts([100], seed=7)
+    reference = make_engine()
+    reference.add_request("r", prompt, greedy(12))
+    expected = drain(reference)["r"].token_ids
+    src, dst = make_engine(), make_engine()
+    src.kv_pin_ttl_s = 30.0
+    tokens = _interrupted(src, "r", prompt, steps=1)
+    rest = greedy(12 - (len(tokens) - len(prompt)))
+    dst.add_request("r", tokens, rest, kv_pending=True)
+    assert dst.num_waiting == 1 and not dst.has_unfinished_requests()  # held: nothing to step
+    assert dst.attach_kv("r", _move(src, dst, "r", tokens))
+    assert tokens[len(prompt) :] + drain(dst)["r"].token_ids == expected
+    # no KV after all (a failed pull): prefilled instead, same output
+    dst.add_request("r", tokens, rest, kv_pending=True)
+    assert dst.attach_kv("r", None) and not dst.attach_kv("r", None)
+    assert tokens[len(prompt) :] + drain(dst)["r"].token_ids == expected
+    # aborted while held: attach reports it, the caller keeps its blocks
+    dst.add_request("gone", tokens, rest, kv_pending=True)
+    assert dst.abort("gone")
+    ids = dst.reserve_blocks(16)
+    assert not dst.attach_kv("gone", PreloadedKV(tuple(ids), 16))
+    dst.release_blocks(ids)
+    drain(dst)
+    assert dst.num_used_blocks == 0
+
+
+def test_bad_preloaded_kv_and_no_room() -> None:
+    engine = make_engine(num_blocks=4)
+    with pytest.raises(InvalidRequestError, match="last token"):
+        engine.add_request("a", [1, 2, 3], greedy(2), preloaded=PreloadedKV((0,), 3))
+    with pytest.raises(InvalidRequestError, match="blocks for"):
+        engine.add_request("a", list(range(40)), greedy(2), preloaded=PreloadedKV((0,), 20))
+    with pytest.raises(OutOfBlocks):
+        engine.reserve_blocks(5 * 16)
+    with pytest.raises(InvalidRequestError, match="not running"):
+        engine.pin_kv("nope", 1.0)
