@@ -1,6 +1,8 @@
 #include "kv_blocks.h"
 
 #include <algorithm>
+#include <array>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -40,10 +42,43 @@ void validate_layout(const PagedCacheLayout& layout) {
   (void)layout.block_bytes();  // throws on overflow
 }
 
-// One (layer, kv, block) unit -> its cache address and its buffer address.
+// Rejects strides under which two elements of one layer's cache share memory:
+// a scatter through them would depend on the order threads write in.
+void check_no_overlap(const PagedCacheLayout& layout) {
+  struct Dim {
+    int64_t size;
+    int64_t stride;  // elements, absolute value
+  };
+  std::array<Dim, 5> dims{{{2, std::llabs(layout.kv_stride)},
+                           {layout.num_blocks, std::llabs(layout.block_stride)},
+                           {layout.block_size, std::llabs(layout.token_stride)},
+                           {layout.num_kv_heads, std::llabs(layout.head_stride)},
+                           {layout.head_size, 1}}};
+  std::sort(dims.begin(), dims.end(), [](const Dim& a, const Dim& b) { return a.stride < b.stride; });
+  // Sorted by stride, each dim must step past everything the smaller ones reach.
+  int64_t reach = 0;
+  for (const Dim& dim : dims) {
+    if (dim.size <= 1) {
+      continue;
+    }
+    if (dim.stride <= reach) {
+      throw std::invalid_argument(
+          "cache strides (kv " + std::to_string(layout.kv_stride) + ", block " + std::to_string(layout.block_stride) +
+          ", token " + std::to_string(layout.token_stride) + ", head " + std::to_string(layout.head_stride) +
+          " elements) make elements overlap: cannot scatter into it");
+    }
+    int64_t extent = 0;
+    if (__builtin_mul_overflow(dim.size - 1, dim.stride, &extent) || __builtin_add_overflow(reach, extent, &reach)) {
+      throw std::invalid_argument("cache strides overflow int64");
+    }
+  }
+}
+
+// One (layer, kv, block) unit -> its cache address, buffer address and token count.
 struct UnitAddress {
   char* cache;
   char* buffer;
+  int64_t tokens;
 };
 
 UnitAddress unit_address(const CopyPlan& plan, size_t unit, size_t block_bytes) {
@@ -56,27 +91,81 @@ UnitAddress unit_address(const CopyPlan& plan, size_t unit, size_t block_bytes) 
                          plan.block_ids[id_index] * plan.layout.block_stride_bytes();
   char* cache = reinterpret_cast<char*>(plan.layer_ptrs[layer]) + offset;
   char* buffer = reinterpret_cast<char*>(plan.buffer) + unit * block_bytes;
-  return {cache, buffer};
+  const int64_t tokens = id_index + 1 == num_ids ? plan.last_block_tokens : plan.layout.block_size;
+  return {cache, buffer, tokens};
 }
 
-void copy_unit_range(const CopyPlan& plan, CopyDirection direction, size_t begin, size_t end) {
-  const size_t block_bytes = plan.layout.block_bytes();
+template <CopyDirection kDirection>
+inline void move(char* cache, char* buffer, size_t nbytes) {
+  if constexpr (kDirection == CopyDirection::kGather) {
+    std::memcpy(buffer, cache, nbytes);
+  } else {
+    std::memcpy(cache, buffer, nbytes);
+  }
+}
+
+template <CopyDirection kDirection>
+void copy_unit_range(const CopyPlan& plan, size_t begin, size_t end) {
+  const PagedCacheLayout& layout = plan.layout;
+  const size_t block_bytes = layout.block_bytes();
+  const size_t token_bytes = layout.token_bytes();
+  const size_t row_bytes = layout.row_bytes();
+  const bool block_contiguous = layout.block_is_contiguous();
+  const bool token_contiguous = layout.token_is_contiguous();
+  const int64_t token_stride = layout.token_stride_bytes();
+  const int64_t head_stride = layout.head_stride_bytes();
   for (size_t unit = begin; unit < end; ++unit) {
     const UnitAddress addr = unit_address(plan, unit, block_bytes);
-    if (direction == CopyDirection::kGather) {
-      std::memcpy(addr.buffer, addr.cache, block_bytes);
-    } else {
-      std::memcpy(addr.cache, addr.buffer, block_bytes);
+    const size_t copied = static_cast<size_t>(addr.tokens) * token_bytes;
+    if (block_contiguous) {
+      move<kDirection>(addr.cache, addr.buffer, copied);
+    } else if (token_contiguous) {
+      for (int64_t t = 0; t < addr.tokens; ++t) {
+        move<kDirection>(addr.cache + t * token_stride, addr.buffer + t * token_bytes, token_bytes);
+      }
+    } else {  // HND or any other stride order: one head row at a time
+      char* buffer = addr.buffer;
+      for (int64_t t = 0; t < addr.tokens; ++t) {
+        char* token = addr.cache + t * token_stride;
+        for (int64_t h = 0; h < layout.num_kv_heads; ++h, buffer += row_bytes) {
+          move<kDirection>(token + h * head_stride, buffer, row_bytes);
+        }
+      }
     }
+    if (kDirection == CopyDirection::kGather && copied < block_bytes) {
+      std::memset(addr.buffer + copied, 0, block_bytes - copied);  // a defined tail for a partial block
+    }
+  }
+}
+
+void copy_unit_range_dispatch(const CopyPlan& plan, CopyDirection direction, size_t begin, size_t end) {
+  if (direction == CopyDirection::kGather) {
+    copy_unit_range<CopyDirection::kGather>(plan, begin, end);
+  } else {
+    copy_unit_range<CopyDirection::kScatter>(plan, begin, end);
   }
 }
 
 }  // namespace
 
+size_t PagedCacheLayout::row_bytes() const {
+  return checked_mul(static_cast<size_t>(head_size), static_cast<size_t>(itemsize), "block size");
+}
+
+size_t PagedCacheLayout::token_bytes() const {
+  return checked_mul(static_cast<size_t>(num_kv_heads), row_bytes(), "block size");
+}
+
 size_t PagedCacheLayout::block_bytes() const {
-  size_t n = checked_mul(static_cast<size_t>(block_size), static_cast<size_t>(num_kv_heads), "block size");
-  n = checked_mul(n, static_cast<size_t>(head_size), "block size");
-  return checked_mul(n, static_cast<size_t>(itemsize), "block size");
+  return checked_mul(static_cast<size_t>(block_size), token_bytes(), "block size");
+}
+
+bool PagedCacheLayout::token_is_contiguous() const {
+  return num_kv_heads == 1 || head_stride == head_size;
+}
+
+bool PagedCacheLayout::block_is_contiguous() const {
+  return token_is_contiguous() && (block_size == 1 || token_stride == num_kv_heads * head_size);
 }
 
 size_t transfer_nbytes(const PagedCacheLayout& layout, size_t num_layers, size_t num_ids) {
@@ -91,8 +180,17 @@ int default_num_threads() {
 
 CopyPlan make_copy_plan(const PagedCacheLayout& layout, std::vector<uintptr_t> layer_ptrs,
                         const int64_t* block_ids, size_t num_ids, uintptr_t buffer,
-                        size_t buffer_nbytes, CopyDirection direction) {
+                        size_t buffer_nbytes, CopyDirection direction, int64_t last_block_tokens) {
   validate_layout(layout);
+  if (last_block_tokens < 0) {
+    last_block_tokens = layout.block_size;
+  } else if (last_block_tokens == 0 || last_block_tokens > layout.block_size) {
+    throw std::invalid_argument("last_block_tokens must be in [1, block_size=" + std::to_string(layout.block_size) +
+                                "], got " + std::to_string(last_block_tokens));
+  }
+  if (direction == CopyDirection::kScatter) {
+    check_no_overlap(layout);
+  }
   if (layer_ptrs.empty()) {
     throw std::invalid_argument("layer_ptrs is empty: need at least one layer");
   }
@@ -135,6 +233,7 @@ CopyPlan make_copy_plan(const PagedCacheLayout& layout, std::vector<uintptr_t> l
   plan.block_ids.assign(block_ids, block_ids + num_ids);
   plan.buffer = buffer;
   plan.buffer_nbytes = buffer_nbytes;
+  plan.last_block_tokens = last_block_tokens;
   return plan;
 }
 
@@ -149,7 +248,7 @@ void copy_blocks_host(const CopyPlan& plan, CopyDirection direction, int num_thr
   const size_t by_size = std::max<size_t>(1, plan.buffer_nbytes / kMinBytesPerThread);
   const size_t workers = std::min({static_cast<size_t>(num_threads), units, by_size});
   if (workers <= 1) {
-    copy_unit_range(plan, direction, 0, units);
+    copy_unit_range_dispatch(plan, direction, 0, units);
     return;
   }
   // Contiguous unit ranges keep each worker's buffer side sequential.
@@ -167,14 +266,14 @@ void copy_blocks_host(const CopyPlan& plan, CopyDirection direction, int num_thr
       caller_end = end;
     } else {
       try {
-        threads.emplace_back(copy_unit_range, std::cref(plan), direction, begin, end);
+        threads.emplace_back(copy_unit_range_dispatch, std::cref(plan), direction, begin, end);
       } catch (const std::system_error&) {
-        copy_unit_range(plan, direction, begin, end);  // out of threads: do it here
+        copy_unit_range_dispatch(plan, direction, begin, end);  // out of threads: do it here
       }
     }
     begin = end;
   }
-  copy_unit_range(plan, direction, caller_begin, caller_end);
+  copy_unit_range_dispatch(plan, direction, caller_begin, caller_end);
   for (std::thread& t : threads) {
     t.join();
   }

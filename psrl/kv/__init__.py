@@ -1,4 +1,5 @@
-"""KV-cache block movement for migrating requests between engines."""
+"""KV-cache block movement for migrating requests between engines: gather/scatter (psrl._kvx), layout
+descriptors, LMCache-compatible chunk keys, the transfer planner and the channels (shm, CUDA IPC, NCCL)."""
 
 from psrl.kv.blocks import (
     HAS_CUDA,
@@ -9,13 +10,64 @@ from psrl.kv.blocks import (
     scatter_blocks,
     transfer_nbytes,
 )
+from psrl.kv.channels import (
+    CudaIpcBuffer,
+    CudaIpcDescriptor,
+    CudaIpcExport,
+    CudaUnavailableError,
+    KVChannelError,
+    KVLayoutMismatchError,
+    NcclChannel,
+    NcclUnavailableError,
+    ShmChannel,
+    ShmSegmentNotFoundError,
+    ShmSizeMismatchError,
+    ShmTransfer,
+    nccl_get_unique_id,
+    shm_receive,
+    shm_send,
+)
+from psrl.kv.chunk_keys import CacheEngineKey, ChunkKeyError, chunk_hashes, chunk_keys, chunk_ranges, none_hash
+from psrl.kv.layout import KVLayoutSpec, LayoutError, LayoutMismatch, check_compatible
+from psrl.kv.planner import BlockCopy, BlockSizeMismatch, NotEnoughBlocks, PlanError, TransferPlan, plan_transfer
 
 __all__ = [
     "HAS_CUDA",
+    "BlockCopy",
+    "BlockSizeMismatch",
+    "CacheEngineKey",
+    "ChunkKeyError",
+    "CudaIpcBuffer",
+    "CudaIpcDescriptor",
+    "CudaIpcExport",
+    "CudaUnavailableError",
     "KVCacheLayout",
+    "KVChannelError",
+    "KVLayoutMismatchError",
+    "KVLayoutSpec",
+    "LayoutError",
+    "LayoutMismatch",
+    "NcclChannel",
+    "NcclUnavailableError",
+    "NotEnoughBlocks",
+    "PlanError",
+    "ShmChannel",
+    "ShmSegmentNotFoundError",
+    "ShmSizeMismatchError",
+    "ShmTransfer",
+    "TransferPlan",
     "buffer_shape",
+    "check_compatible",
+    "chunk_hashes",
+    "chunk_keys",
+    "chunk_ranges",
     "describe_kv_cache",
     "gather_blocks",
+    "nccl_get_unique_id",
+    "none_hash",
+    "plan_transfer",
     "scatter_blocks",
+    "shm_receive",
+    "shm_send",
     "transfer_nbytes",
 ]

@@ -1,10 +1,11 @@
 """Typed gather/scatter of paged KV-cache blocks for KV migration between engines.
 
 Moves the blocks named by a block-id list, all layers at once, between per-layer paged caches
-(vLLM FlashAttention layout ``[2, num_blocks, block_size, num_kv_heads, head_size]``) and one
-contiguous ``[num_layers, 2, num_ids, block_size, num_kv_heads, head_size]`` buffer, over the native
-``psrl._kvx`` module. Accepts numpy arrays and torch tensors (duck-typed; torch is never imported here):
-host memory takes the threaded memcpy path, CUDA tensors the one-kernel CUDA path.
+(vLLM FlashAttention layout ``[2, num_blocks, block_size, num_kv_heads, head_size]``, NHD or HND strides) and
+one contiguous ``[num_layers, 2, num_ids, block_size, num_kv_heads, head_size]`` buffer, over the native
+``psrl._kvx`` module; ``num_tokens`` moves only the filled part of a partial last block. Accepts numpy arrays
+and torch tensors (duck-typed; torch is never imported here): host memory takes the threaded memcpy path,
+CUDA tensors the one-kernel CUDA path.
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ class KVCacheLayout:
     itemsize: int
     kv_stride: int  # elements between the K and V halves
     block_stride: int  # elements between consecutive blocks
+    token_stride: int  # elements between consecutive tokens of a block (NHD: num_kv_heads * head_size)
+    head_stride: int  # elements between consecutive heads of a token (NHD: head_size; HND: block_size * head_size)
     dtype: str  # e.g. "float16", "bfloat16", "float32"
     cuda_device: int | None  # None: host memory
     layer_ptrs: tuple[int, ...]
@@ -123,6 +126,20 @@ class KVCacheLayout:
     def block_nbytes(self) -> int:
         """Bytes of one block of one half (K or V) of one layer."""
         return self.block_size * self.num_kv_heads * self.head_size * self.itemsize
+
+    @property
+    def kv_layout(self) -> str:
+        """Stride order inside a block: NHD (heads inside tokens), HND (tokens inside heads) or strided."""
+        nhd_token = self.num_kv_heads * self.head_size
+        if (self.block_size == 1 or self.token_stride == nhd_token) and (
+            self.num_kv_heads == 1 or self.head_stride == self.head_size
+        ):
+            return "NHD"
+        if (self.num_kv_heads == 1 or self.head_stride == self.block_size * self.head_size) and (
+            self.block_size == 1 or self.token_stride == self.head_size
+        ):
+            return "HND"
+        return "strided"
 
     def buffer_shape(self, num_ids: int) -> tuple[int, int, int, int, int, int]:
         return (self.num_layers, 2, num_ids, self.block_size, self.num_kv_heads, self.head_size)
@@ -142,6 +159,7 @@ def describe_kv_cache(layer_caches: Sequence[ArrayLike]) -> KVCacheLayout:
             "layer_caches[0]: expected shape [2, num_blocks, block_size, num_kv_heads, head_size], "
             f"got {list(first.shape)}"
         )
+    _, num_blocks, block_size, num_kv_heads, head_size = first.shape
     if first.itemsize not in _SUPPORTED_ITEMSIZES:
         raise ValueError(
             f"layer_caches[0]: dtype {first.dtype} has itemsize {first.itemsize}; "
@@ -157,16 +175,20 @@ def describe_kv_cache(layer_caches: Sequence[ArrayLike]) -> KVCacheLayout:
                 f"layer_caches[{i}]: kv/block strides {list(view.strides[:2])} differ from layer 0 "
                 f"{list(first.strides[:2])}"
             )
+        if any(size > 1 and view.strides[d] != first.strides[d] for d, size in ((2, block_size), (3, num_kv_heads))):
+            raise ValueError(
+                f"layer_caches[{i}]: token/head strides {list(view.strides[2:4])} differ from layer 0 "
+                f"{list(first.strides[2:4])}"
+            )
         if view.cuda_device != first.cuda_device:
             raise ValueError(
                 f"layer_caches[{i}]: lives in {_where(view.cuda_device)}, layer 0 in {_where(first.cuda_device)}"
             )
-        if not _is_contiguous(view.shape[2:], view.strides[2:]):
+        if view.shape[4] != 1 and view.strides[4] != 1:
             raise ValueError(
-                f"layer_caches[{i}]: each block [block_size, num_kv_heads, head_size] must be contiguous, "
+                f"layer_caches[{i}]: each head's head_size elements must be contiguous, "
                 f"got inner strides {list(view.strides[2:])} for shape {list(view.shape[2:])}"
             )
-    _, num_blocks, block_size, num_kv_heads, head_size = first.shape
     return KVCacheLayout(
         num_layers=len(views),
         num_blocks=num_blocks,
@@ -176,6 +198,8 @@ def describe_kv_cache(layer_caches: Sequence[ArrayLike]) -> KVCacheLayout:
         itemsize=first.itemsize,
         kv_stride=first.strides[0],
         block_stride=first.strides[1],
+        token_stride=first.strides[2],
+        head_stride=first.strides[3],
         dtype=first.dtype,
         cuda_device=first.cuda_device,
         layer_ptrs=tuple(view.ptr for view in views),
@@ -204,6 +228,25 @@ def _as_block_ids(block_ids: BlockIds) -> npt.NDArray[np.int64]:
     return np.ascontiguousarray(ids, dtype=np.int64)
 
 
+def _last_block_tokens(num_tokens: int | None, num_ids: int, block_size: int) -> int | None:
+    """Tokens of the last block that move, from the tokens held by all num_ids blocks (None: all)."""
+    if num_tokens is None:
+        return None
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int | np.integer):
+        raise TypeError(f"num_tokens must be an int or None, got {type(num_tokens).__name__}")
+    num_tokens = int(num_tokens)
+    if num_ids == 0:
+        if num_tokens != 0:
+            raise ValueError(f"num_tokens={num_tokens} but no block ids")
+        return None
+    low, high = (num_ids - 1) * block_size + 1, num_ids * block_size
+    if not low <= num_tokens <= high:
+        raise ValueError(
+            f"num_tokens={num_tokens} does not fit {num_ids} blocks of {block_size} tokens (need {low}..{high})"
+        )
+    return num_tokens - (num_ids - 1) * block_size
+
+
 def _check_buffer(buffer: _TensorView, layout: KVCacheLayout, num_ids: int, name: str) -> None:
     if buffer.cuda_device != layout.cuda_device:
         raise ValueError(f"{name}: lives in {_where(buffer.cuda_device)}, the cache in {_where(layout.cuda_device)}")
@@ -229,6 +272,7 @@ def _copy(
     gather: bool,
     num_threads: int | None,
     stream: int | None,
+    last_block_tokens: int | None,
 ) -> None:
     args = (
         list(layout.layer_ptrs),
@@ -243,16 +287,21 @@ def _copy(
         buffer.ptr,
         layout.transfer_nbytes(len(ids)),
     )
+    strides = {
+        "token_stride": layout.token_stride,
+        "head_stride": layout.head_stride,
+        "last_block_tokens": last_block_tokens,
+    }
     if layout.cuda_device is None:
         host_copy = _kvx.gather_blocks if gather else _kvx.scatter_blocks
-        host_copy(*args, 0 if num_threads is None else num_threads)
+        host_copy(*args, 0 if num_threads is None else num_threads, **strides)
         return
     if not HAS_CUDA:
         raise RuntimeError("psrl._kvx was built without CUDA; rebuild with nvcc available for CUDA tensors")
     device = layout.cuda_device
     cuda_stream = _current_stream(device) if stream is None else stream
     cuda_copy = _kvx.cuda_gather_blocks if gather else _kvx.cuda_scatter_blocks
-    cuda_copy(*args, device, cuda_stream)
+    cuda_copy(*args, device, cuda_stream, **strides)
 
 
 def gather_blocks(
@@ -261,23 +310,27 @@ def gather_blocks(
     out: ArrayLike | None = None,
     num_threads: int | None = None,
     stream: int | None = None,
+    num_tokens: int | None = None,
 ) -> ArrayLike:
     """Copy blocks ``block_ids`` (repeats allowed) of every layer into one contiguous buffer.
 
     Returns ``out`` (or a new array of the cache's kind, dtype and device) of shape
     ``[num_layers, 2, len(block_ids), block_size, num_kv_heads, head_size]``. For CUDA tensors the copy
     is enqueued on ``stream`` (default: torch's current stream) and not synchronized. ``num_threads``
-    only applies to host memory (None: min(cpu count, 8)).
+    only applies to host memory (None: min(cpu count, 8)). ``num_tokens`` (None: every block full) is how
+    many tokens the blocks hold in order: only the first ``num_tokens - (len(block_ids) - 1) * block_size``
+    tokens of the last block are copied and the rest of its slot in the buffer is zeroed.
     """
     layout = describe_kv_cache(layer_caches)
     ids = _as_block_ids(block_ids)
+    last_block_tokens = _last_block_tokens(num_tokens, len(ids), layout.block_size)
     if out is None:
         out = _new_buffer(layer_caches[0], layout.buffer_shape(len(ids)))
     buffer = _view(out, "out")
     _check_buffer(buffer, layout, len(ids), "out")
     if not buffer.writeable:
         raise ValueError("out: array is read-only")
-    _copy(layout, ids, buffer, gather=True, num_threads=num_threads, stream=stream)
+    _copy(layout, ids, buffer, True, num_threads, stream, last_block_tokens)
     return out
 
 
@@ -287,19 +340,22 @@ def scatter_blocks(
     block_ids: BlockIds,
     num_threads: int | None = None,
     stream: int | None = None,
+    num_tokens: int | None = None,
 ) -> None:
     """Copy a buffer laid out as ``gather_blocks`` returns into blocks ``block_ids`` of every layer.
 
-    ``block_ids`` must be distinct (a repeat would make the result depend on copy order).
+    ``block_ids`` must be distinct (a repeat would make the result depend on copy order). ``num_tokens``
+    as for ``gather_blocks``: the tokens of the last block past it are left untouched in the cache.
     """
     layout = describe_kv_cache(layer_caches)
     for i, cache in enumerate(layer_caches):
         if isinstance(cache, np.ndarray) and not cache.flags.writeable:
             raise ValueError(f"layer_caches[{i}]: array is read-only")
     ids = _as_block_ids(block_ids)
+    last_block_tokens = _last_block_tokens(num_tokens, len(ids), layout.block_size)
     view = _view(buffer, "buffer")
     _check_buffer(view, layout, len(ids), "buffer")
-    _copy(layout, ids, view, gather=False, num_threads=num_threads, stream=stream)
+    _copy(layout, ids, view, False, num_threads, stream, last_block_tokens)
 
 
 def _new_buffer(like: ArrayLike, shape: tuple[int, ...]) -> ArrayLike:
