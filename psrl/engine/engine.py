@@ -418,6 +418,21 @@ class Engine:
             self._pool.touch(ids)
             return KvLease(tuple(token_ids[:n]), n, tuple(ids), source)
 
+    def adopt_pin(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> PreloadedKV | None:
+        """A request looped back to this engine takes over the pinned KV of its previous iteration without a
+        copy: the pin's blocks holding the longest common prefix (at most `max_tokens`) become its blocks."""
+        with self._lock:
+            self._expire_pins_locked()
+            pin = self._pins.pop(request_id, None)
+            if pin is None:
+                return None
+            n = min(_common_prefix(pin.token_ids, token_ids), max_tokens)
+            keep = blocks_for_tokens(n, self.cache_config.block_size)
+            self._pool.free(pin.block_ids[keep:])
+            if n == 0:
+                return None
+            return PreloadedKV(pin.block_ids[:keep], n)
+
     def reserve_blocks(self, num_tokens: int) -> list[int]:
         """Fresh blocks for `num_tokens` incoming migrated tokens (OutOfBlocks when the cache cannot spare them)."""
         with self._lock:

@@ -110,6 +110,7 @@ class RouterApp:
             request_timeout_s=config.request_timeout_s,
             partial_rollout=config.enable_partial_rollout,
             max_iterations=config.max_rollout_iterations,
+            kv_transfer=config.kv_transfer,
         )
         self.background = BackgroundLoops(
             self.registry,

@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from psrl.router.dispatch import KvTransferConfig
 from psrl.router.health import BreakerConfig, HealthConfig
 from psrl.router.pipeline.tool_calls import make_tool_parser
 from psrl.router.policies.cache_aware import CacheAwareConfig
@@ -51,6 +52,7 @@ class RouterConfig:
     selector: SelectorConfig = field(default_factory=SelectorConfig)
     cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
     routing_loop: RoutingLoopConfig = field(default_factory=RoutingLoopConfig)
+    kv_transfer: KvTransferConfig = field(default_factory=KvTransferConfig)
     tito: TitoConfig = field(default_factory=TitoConfig)
 
     def validate(self) -> None:
@@ -70,6 +72,7 @@ class RouterConfig:
         self.selector.validate()
         self.cache_aware.validate()
         self.routing_loop.validate()
+        self.kv_transfer.validate()
         self.tito.validate()
         make_tool_parser(self.tool_call_parser)  # raises on an unknown parser name
         if self.max_rollout_iterations < 1 or self.psmanager_rpc_timeout_s <= 0:
@@ -120,6 +123,7 @@ _SECTIONS = {
     "selector": SelectorConfig,
     "cache_aware": CacheAwareConfig,
     "routing_loop": RoutingLoopConfig,
+    "kv_transfer": KvTransferConfig,
     "tito": TitoConfig,
 }
 _FLAT_SECTIONS = ("selector", "cache_aware", "routing_loop", "tito")  # PSRL-style flat flags, e.g. --cache-threshold
@@ -155,7 +159,7 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--log-format", choices=("text", "json"))
     # Flat PSRL-style names for the common sections, e.g. --worker-selection-strategy, --cache-threshold.
     for section, cls in _SECTIONS.items():
-        _add_dataclass_flags(p, cls, "" if section in _FLAT_SECTIONS else f"{section}-")
+        _add_dataclass_flags(p, cls, "" if section in _FLAT_SECTIONS else f"{section.replace('_', '-')}-")
     ns = vars(p.parse_args(argv))
     config_path = ns.pop("config")
     cfg = load_yaml(config_path) if config_path else d

@@ -4,9 +4,10 @@ iterations, looping it back after a weight-sync abort (partial rollout) until it
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from psrl.psmanager.errors import PSManagerError
 from psrl.router.errors import (
@@ -25,7 +26,7 @@ from psrl.router.pipeline.execute import Delta, WorkerCall
 from psrl.router.pipeline.partial_rollout import RolloutState, classify
 from psrl.router.pipeline.prepare import check_prompt
 from psrl.router.policies.base import SelectionRequest
-from psrl.router.registry import InstanceState, WorkerRegistry
+from psrl.router.registry import InstanceId, InstanceState, WorkerRegistry
 from psrl.router.routing_loop import RoutingLoop
 from psrl.router.selector import AdmissionHook, Selector, Ticket
 from psrl.router.worker_client import WorkerClients
@@ -37,6 +38,28 @@ WORKER_FAULTS = (WorkerUnavailable, WorkerStreamFailed, WorkerTimeout, WorkerInt
 
 
 LOOPBACK_WAIT_S = 300.0
+KV_TRANSFER_MODES = ("async", "sync", "pin_sync")
+
+
+@dataclass
+class KvTransferConfig:
+    """PSRL's `routing_strategy.kv_transfer`: a looped-back request tells its new instance where its KV is.
+
+    `sync` and `pin_sync`: the replica pulls the KV before it queues the request; `async`: the request waits in
+    the replica's queue while the KV is pulled. `pin_sync` takes only the KV the source pinned at the abort;
+    the others also accept the source's prefix cache. A transfer not done in `transfer_timeout_ms` is dropped
+    and the request prefilled instead.
+    """
+
+    enable: bool = False
+    transfer_mode: str = "async"
+    transfer_timeout_ms: int = 5000
+
+    def validate(self) -> None:
+        if self.transfer_mode not in KV_TRANSFER_MODES:
+            raise ValueError(f"kv_transfer.transfer_mode must be one of {KV_TRANSFER_MODES}")
+        if self.transfer_timeout_ms <= 0:
+            raise ValueError("kv_transfer.transfer_timeout_ms must be > 0")
 
 
 class PartialRolloutExhausted(RouterError):
@@ -57,6 +80,7 @@ class Dispatcher:
         request_timeout_s: float | None,
         partial_rollout: bool,
         max_iterations: int,
+        kv_transfer: KvTransferConfig | None = None,
     ) -> None:
         self.registry = registry
         self.selector = selector
@@ -67,6 +91,28 @@ class Dispatcher:
         self.request_timeout_s = request_timeout_s
         self.partial_rollout = partial_rollout
         self.max_iterations = max_iterations
+        self.kv_transfer = kv_transfer or KvTransferConfig()
+
+    def kv_transfer_params(self, source: tuple[InstanceId, str] | None, gen: GenerationInput) -> str:
+        """`kv_transfer_params_json` for a loop-back from `source` (the instance that aborted it and the request
+        id it ran under there); "" when transfers are off or the source is gone. Sent to the source's own
+        instance too: the replica then takes its pinned blocks over without a copy."""
+        if not self.kv_transfer.enable or source is None:
+            return ""
+        iid, source_request_id = source
+        worker = self.registry.get(iid.base_worker_id)
+        if worker is None or worker.connection_mode != "grpc":
+            return ""
+        c = self.kv_transfer
+        return json.dumps(
+            {
+                "source": {"target": worker.target, "dp_rank": iid.dp_rank, "base_worker_id": iid.base_worker_id},
+                "request_id": source_request_id,
+                "num_tokens": len(gen.prompt_ids) - 1,
+                "mode": c.transfer_mode,
+                "timeout_ms": c.transfer_timeout_ms,
+            }
+        )
 
     def instances(self, model: str, grpc_only: bool) -> list[InstanceState]:
         instances = self.registry.instances_of(model)
@@ -148,7 +194,7 @@ class Rollout:
         self._interrupted = 0  # aborts after producing tokens
         self._refused = 0  # consecutive aborts with nothing produced (admission closed)
 
-    async def _begin(self, gen: GenerationInput) -> WorkerCall:
+    async def _begin(self, gen: GenerationInput, kv_source: tuple[InstanceId, str] | None = None) -> WorkerCall:
         request = SelectionRequest(gen.request_id, self._model, gen.prompt_ids, self._text, self.meta.routing_key)
         ticket = await self._d.acquire(self._model, self.meta, request, grpc_only=True)
         try:
@@ -156,19 +202,22 @@ class Rollout:
         except RouterError:
             self._d.finish(ticket, None)
             raise
+        params = self._d.kv_transfer_params(kv_source, gen)
+        if params:
+            gen = replace(gen, kv_transfer_params_json=params)
         call = await self._d.start_call(ticket, gen)
         self.ticket = ticket
         if self.first_ticket is None:
             self.first_ticket = ticket
         return call
 
-    async def _loop_back(self, gen: GenerationInput) -> WorkerCall:
+    async def _loop_back(self, gen: GenerationInput, kv_source: tuple[InstanceId, str]) -> WorkerCall:
         """A looped-back request already holds tokens: while no instance can take it (a sync in progress),
         it waits rather than failing."""
         deadline = asyncio.get_running_loop().time() + LOOPBACK_WAIT_S
         while True:
             try:
-                return await self._begin(gen)
+                return await self._begin(gen, kv_source)
             except WorkerUnavailable:
                 if asyncio.get_running_loop().time() > deadline:
                     raise
@@ -192,6 +241,8 @@ class Rollout:
                 call.cancel()
                 self._d.finish(ticket, call.error)
             segment = call.result
+            if call.gen.kv_transfer_params_json:
+                self._d.metrics.kv_transfer(len(call.gen.prompt_ids) - 1, segment.cached_tokens)
             self.state.add(segment, ticket.instance.weight_version)
             verdict = classify(segment, self.state)
             if verdict == "done" or not self._d.partial_rollout:
@@ -222,7 +273,7 @@ class Rollout:
                 len(self.state.output_ids),
                 self.state.iterations,
             )
-            call = await self._loop_back(self.state.next_input())
+            call = await self._loop_back(self.state.next_input(), (ticket.instance.id, call.gen.request_id))
 
     async def collect(self) -> Generation:
         async for _ in self.deltas():

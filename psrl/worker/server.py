@@ -4,7 +4,10 @@ The same gRPC server also serves `psrl.control.ReplicaControl` (proto/psrl/_prot
 psrl/worker/control.py), the replica side of a weight sync: PauseGeneration (mode ABORT | WAIT | KEEP,
 clear_cache), LoadWeights (version, seed or safetensors path), ResumeGeneration, GetSyncState and FailSync,
 each acting on every dp rank at once. While paused or after FailSync, a new Generate gets an empty "abort"
-complete frame. Nothing to configure: the service is always registered.
+complete frame. Nothing to configure: the service is always registered. So is `psrl.kv.KvMigration`
+(proto/psrl/_proto/kv_migration.proto, psrl/worker/kv_migration.py): a sync abort pins each request's KV for
+`--kv-pin-ttl-s`, a peer pulls it with TransferKv, and a Generate with `kv_transfer_params_json` pulls its KV
+from the source named there before (or, mode async, while) it waits to run.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from dataclasses import dataclass
 import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
-from psrl._proto import replica_control_pb2_grpc
+from psrl._proto import kv_migration_pb2_grpc, replica_control_pb2_grpc
 from psrl.engine import AsyncEngine, CacheConfig, Engine
 from psrl.worker.control import ReplicaControlServicer
+from psrl.worker.kv_migration import KvMigrationServicer, KvPuller
 from psrl.worker.model_folder import build_tiny_model_folder, load_model_folder
 from psrl.worker.registration import register_with_router, registration_body, wait_until_healthy
 from psrl.worker.servicer import ReferenceServicer
@@ -46,12 +50,15 @@ class WorkerArgs:
     router_api_key: str | None = None
     worker_id: str | None = None
     torch_threads: int = 0
+    kv_pin_ttl_s: float = 30.0
 
     def validate(self) -> None:
         if self.dp_size < 1:
             raise ValueError("--dp-size must be >= 1")
         if not 0 <= self.port < 65536:
             raise ValueError("--port must be in [0, 65535]")
+        if self.kv_pin_ttl_s < 0:
+            raise ValueError("--kv-pin-ttl-s must be >= 0")
 
 
 def parse_args(argv: list[str] | None = None) -> WorkerArgs:
@@ -82,6 +89,12 @@ def parse_args(argv: list[str] | None = None) -> WorkerArgs:
     p.add_argument("--router-api-key", default=d.router_api_key)
     p.add_argument("--worker-id", default=d.worker_id, help="id to ask the router for")
     p.add_argument("--torch-threads", type=int, default=d.torch_threads, help="0 = torch's default")
+    p.add_argument(
+        "--kv-pin-ttl-s",
+        type=float,
+        default=d.kv_pin_ttl_s,
+        help="a sync abort pins each request's KV this long for a peer to pull (KV migration); 0 = never pin",
+    )
     args = WorkerArgs(**vars(p.parse_args(argv)))
     args.validate()
     return args
@@ -111,17 +124,22 @@ async def serve(args: WorkerArgs) -> None:
         )
         for _ in range(args.dp_size)
     ]
-    servicer = ReferenceServicer(engines, folder, served_name)
+    for e in engines:
+        e.engine.kv_pin_ttl_s = args.kv_pin_ttl_s or None
     server = grpc.aio.server(
         options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
     )
-    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
-    replica_control_pb2_grpc.add_ReplicaControlServicer_to_server(ReplicaControlServicer(engines), server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     if port == 0:
         raise OSError(f"cannot bind {args.host}:{args.port}")
-    await server.start()
     target = f"{args.host}:{port}"
+    migration = KvMigrationServicer(engines)
+    kv_puller = KvPuller(migration.counters, target)
+    servicer = ReferenceServicer(engines, folder, served_name, kv_puller)
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
+    replica_control_pb2_grpc.add_ReplicaControlServicer_to_server(ReplicaControlServicer(engines), server)
+    kv_migration_pb2_grpc.add_KvMigrationServicer_to_server(migration, server)
+    await server.start()
     # One parseable line for launchers that passed --port 0.
     print(f"PSRL_WORKER_READY grpc://{target} dp_size={args.dp_size} model={served_name}", flush=True)
 
@@ -157,6 +175,8 @@ async def serve(args: WorkerArgs) -> None:
     await stop.wait()
     logger.info("shutting down")
     await server.stop(grace=1.0)
+    migration.close()
+    await kv_puller.close()
     for e in engines:
         e.shutdown()
     if registration is not None:

@@ -44,9 +44,11 @@ from psrl.engine import (
     KvEventsOverflowError,
     KvEventStream,
     KvEventsUpdate,
+    PreloadedKV,
     RequestOutput,
     SamplingOptions,
 )
+from psrl.worker.kv_migration import KvPuller, KvTransferParams
 from psrl.worker.model_folder import ModelFolder
 
 logger = logging.getLogger(__name__)
@@ -135,10 +137,18 @@ class _Accumulated:
 class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     """One servicer over `dp_size` engines; `data_parallel_rank` picks the engine."""
 
-    def __init__(self, engines: list[AsyncEngine], folder: ModelFolder, served_model_name: str) -> None:
+    def __init__(
+        self,
+        engines: list[AsyncEngine],
+        folder: ModelFolder,
+        served_model_name: str,
+        kv_puller: KvPuller | None = None,
+    ) -> None:
         if not engines:
             raise ValueError("at least one engine is required")
         self.engines = engines
+        self.kv_puller = kv_puller  # None: kv_transfer_params_json is ignored (the request is prefilled)
+        self._kv_pulls: set[asyncio.Task[None]] = set()
         self.folder = folder
         self.served_model_name = served_model_name
         self._started = time.time()
@@ -179,13 +189,29 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             rank = self._pick_rank(request)
             sampling = sampling_from_proto(request.sampling_params)
             prompt = self._prompt_ids(request)
+            kv_params = self._kv_params(request)
             with_top = bool(sampling.logprobs)
+            engine = self.engines[rank]
+            preloaded: PreloadedKV | None = None
+            pending = kv_params is not None and kv_params.mode == "async"
+            if kv_params is not None and not pending and engine.admission_closed_reason is None:
+                assert self.kv_puller is not None
+                preloaded = await self.kv_puller.pull(engine, rank, prompt, kv_params)
             try:
-                stream = self.engines[rank].generate(request_id, prompt, sampling)
-            except AdmissionClosedError as e:
+                stream = engine.generate(request_id, prompt, sampling, preloaded=preloaded, kv_pending=pending)
+            except BaseException as e:
+                if preloaded is not None:
+                    engine.engine.release_blocks(preloaded.block_ids)
+                if not isinstance(e, AdmissionClosedError):
+                    raise
                 logger.info("Generate %s refused: %s", request_id, e.reason)
                 yield vllm_engine_pb2.GenerateResponse(complete=_refused_complete(len(prompt)))
                 return
+            if pending:
+                assert kv_params is not None
+                task = asyncio.create_task(self._pull_then_attach(engine, rank, request_id, prompt, kv_params))
+                self._kv_pulls.add(task)
+                task.add_done_callback(self._kv_pulls.discard)
             self._rank_of[request_id] = rank
             # Tell the router the request is admitted, so a death from here on reads as mid-request (502)
             # even when no frame has come yet (non-streamed calls).
@@ -209,6 +235,23 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         except ValueError as e:  # engine-side validation: prompt too long, bad ids, bad sampling
             logger.info("Generate %s rejected: %s", request_id, e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def _kv_params(self, request: vllm_engine_pb2.GenerateRequest) -> KvTransferParams | None:
+        if not request.kv_transfer_params_json or self.kv_puller is None:
+            return None
+        try:
+            return KvTransferParams.from_json(request.kv_transfer_params_json)
+        except ValueError as e:
+            raise _InvalidArgument(str(e)) from None
+
+    async def _pull_then_attach(
+        self, engine: AsyncEngine, rank: int, request_id: str, prompt: list[int], params: KvTransferParams
+    ) -> None:
+        """`async` mode: the request waits in the engine (counted as waiting) while its KV is pulled."""
+        assert self.kv_puller is not None
+        kv = await self.kv_puller.pull(engine, rank, prompt, params)
+        if not engine.attach_kv(request_id, kv) and kv is not None:
+            engine.engine.release_blocks(kv.block_ids)  # aborted meanwhile: the blocks are still ours
 
     @staticmethod
     def _chunk(out: RequestOutput, with_top: bool) -> vllm_engine_pb2.GenerateStreamChunk:

@@ -131,3 +131,19 @@ def test_bad_preloaded_kv_and_no_room() -> None:
         engine.reserve_blocks(5 * 16)
     with pytest.raises(InvalidRequestError, match="not running"):
         engine.pin_kv("nope", 1.0)
+
+
+def test_a_request_back_on_its_engine_adopts_its_pin_without_a_copy() -> None:
+    [prompt] = prompts([70], seed=11)
+    reference = make_engine()
+    reference.add_request("r", prompt, greedy(30))
+    expected = drain(reference)["r"].token_ids
+    engine = make_engine()
+    engine.kv_pin_ttl_s = 30.0
+    tokens = _interrupted(engine, "r", prompt, steps=8)
+    kv = engine.adopt_pin("r", tokens, len(tokens) - 1)
+    assert kv is not None and kv.num_tokens == len(tokens) - 1 and engine.num_pinned == 0
+    engine.add_request("r-1", tokens, greedy(30 - (len(tokens) - len(prompt))), preloaded=kv)
+    assert tokens[len(prompt) :] + drain(engine)["r-1"].token_ids == expected
+    assert engine.num_used_blocks == 0
+    assert engine.adopt_pin("r", tokens, 10) is None

@@ -62,6 +62,7 @@ class GenerationInput:
     prompt_ids: list[int]
     sampling: SamplingSpec
     stream: bool = False
+    kv_transfer_params_json: str = ""  # a looped-back request: where its KV is (see Dispatcher.kv_transfer_params)
 
     def to_proto(self, dp_rank: int) -> vllm_engine_pb2.GenerateRequest:
         return vllm_engine_pb2.GenerateRequest(
@@ -70,6 +71,7 @@ class GenerationInput:
             sampling_params=self.sampling.to_proto(),
             stream=self.stream,
             data_parallel_rank=dp_rank,
+            kv_transfer_params_json=self.kv_transfer_params_json,
         )
 
 

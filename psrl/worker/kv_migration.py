@@ -1,0 +1,323 @@
+"""KV migration between reference replicas: the source's `psrl.kv.KvMigration` service and the destination's
+pull of a looped-back request's KV (driven by `kv_transfer_params_json` in its GenerateRequest).
+
+The destination pulls: TransferKv asks the source to gather the KV of the longest prefix of the destination's
+prompt that it holds (the request's pin from the sync abort, or with no pin and when allowed, full blocks of
+its prefix cache) straight into a POSIX shared-memory segment; the destination reserves blocks, scatters the
+segment into them, acknowledges with ReleaseKv, and admits the request with that KV (PreloadedKV), so only
+the rest of the prompt is prefilled. Any failure (source gone, timeout, nothing held, layout mismatch, no
+room) falls back to recompute: slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import grpc
+
+from psrl._proto import kv_migration_pb2, kv_migration_pb2_grpc
+from psrl.engine import AsyncEngine, OutOfBlocks, PreloadedKV
+from psrl.engine.errors import InvalidRequestError
+from psrl.kv import KVLayoutSpec, LayoutError, check_compatible
+from psrl.kv.channels import KVChannelError, ShmChannel, ShmTransfer, shm_receive, shm_send
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+TransferMode = Literal["async", "sync", "pin_sync"]
+TRANSFER_MODES: tuple[TransferMode, ...] = ("async", "sync", "pin_sync")
+# A gathered segment the peer never acknowledged is freed after this long.
+UNACKED_TRANSFER_TTL_S = 120.0
+
+
+def layout_of(engine: AsyncEngine) -> KVLayoutSpec:
+    """What two replicas must agree on to exchange blocks."""
+    return KVLayoutSpec.describe(engine.engine.kv_cache.layers)
+
+
+@dataclass
+class MigrationCounters:
+    """One dp rank's migration counters (KvMigrationStats)."""
+
+    transfers_out: int = 0
+    bytes_out: int = 0
+    transfers_in: int = 0
+    bytes_in: int = 0
+    tokens_in: int = 0
+    transfer_seconds_in: float = 0.0
+    fallbacks: int = 0
+
+
+@dataclass
+class _Outgoing:
+    channel: ShmChannel
+    rank: int
+    request_id: str
+    keep_pin: bool
+    created: float = field(default_factory=time.monotonic)
+
+
+async def _in_thread(fn: Callable[..., T], *args: Any, discard: Callable[[T], None] | None = None, **kwargs: Any) -> T:
+    """Run a block copy in a worker thread. A cancellation (an RPC deadline) waits for the copy to end before it
+    propagates, so the caller never frees blocks a copy still reads or writes; `discard` cleans up a result
+    nobody will use."""
+    task = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])
+        if discard is not None and not task.cancelled() and task.exception() is None:
+            discard(task.result())
+        raise
+
+
+class KvMigrationServicer(kv_migration_pb2_grpc.KvMigrationServicer):
+    """The source side, one instance per replica over its dp ranks' engines; also holds every rank's counters
+    (the destination side, KvPuller, adds to them)."""
+
+    def __init__(self, engines: list[AsyncEngine]) -> None:
+        self.engines = engines
+        self.counters = [MigrationCounters() for _ in engines]
+        self._outgoing: dict[str, _Outgoing] = {}
+
+    async def _rank(self, rank: int, context: grpc.aio.ServicerContext) -> AsyncEngine:
+        if not 0 <= rank < len(self.engines):
+            message = f"data_parallel_rank {rank} is out of range for dp_size {len(self.engines)}"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+        return self.engines[rank]
+
+    async def PinKv(
+        self, request: kv_migration_pb2.PinKvRequest, context: grpc.aio.ServicerContext
+    ) -> kv_migration_pb2.PinKvResponse:
+        engine = await self._rank(request.data_parallel_rank, context)
+        try:
+            n = engine.engine.pin_kv(request.request_id, request.ttl_ms / 1000.0)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        return kv_migration_pb2.PinKvResponse(num_tokens=n)
+
+    async def UnpinKv(
+        self, request: kv_migration_pb2.UnpinKvRequest, context: grpc.aio.ServicerContext
+    ) -> kv_migration_pb2.UnpinKvResponse:
+        engine = await self._rank(request.data_parallel_rank, context)
+        return kv_migration_pb2.UnpinKvResponse(unpinned=engine.engine.unpin_kv(request.request_id))
+
+    async def TransferKv(
+        self, request: kv_migration_pb2.TransferKvRequest, context: grpc.aio.ServicerContext
+    ) -> kv_migration_pb2.TransferKvResponse:
+        rank = request.data_parallel_rank
+        engine = await self._rank(rank, context)
+        self._expire_outgoing()
+        if request.channel not in ("", "shm"):
+            return kv_migration_pb2.TransferKvResponse(reason=f"channel {request.channel!r} is not served here")
+        if request.layout_json:
+            try:
+                check_compatible(layout_of(engine), json.loads(request.layout_json))
+            except (ValueError, LayoutError) as e:
+                return kv_migration_pb2.TransferKvResponse(reason=f"layout mismatch: {e}")
+        tokens = list(request.token_ids)[: request.max_tokens or None]
+        lease = engine.engine.lease_kv(request.request_id, tokens, allow_prefix_cache=request.allow_prefix_cache)
+        if lease is None:
+            return kv_migration_pb2.TransferKvResponse(reason="no KV held here for this request's tokens")
+        try:
+            channel = await _in_thread(
+                shm_send,
+                engine.engine.kv_cache.layers,
+                list(lease.block_ids),
+                num_tokens=lease.num_tokens,
+                discard=lambda ch: ch.__exit__(None, None, None),
+            )
+        finally:
+            engine.engine.release_blocks(lease.block_ids)
+        transfer_id = secrets.token_hex(12)
+        self._outgoing[transfer_id] = _Outgoing(channel, rank, request.request_id, request.keep_pin)
+        counters = self.counters[rank]
+        counters.transfers_out += 1
+        counters.bytes_out += channel.transfer.nbytes
+        return kv_migration_pb2.TransferKvResponse(
+            num_tokens=lease.num_tokens,
+            transfer_id=transfer_id,
+            transfer_json=json.dumps(channel.transfer.to_dict()),
+            source=lease.source,
+            nbytes=channel.transfer.nbytes,
+        )
+
+    async def ReleaseKv(
+        self, request: kv_migration_pb2.ReleaseKvRequest, context: grpc.aio.ServicerContext
+    ) -> kv_migration_pb2.ReleaseKvResponse:
+        out = self._outgoing.pop(request.transfer_id, None)
+        if out is None:
+            return kv_migration_pb2.ReleaseKvResponse(released=False)
+        self._close(out)
+        return kv_migration_pb2.ReleaseKvResponse(released=True)
+
+    async def GetKvMigrationStats(
+        self, request: kv_migration_pb2.GetKvMigrationStatsRequest, context: grpc.aio.ServicerContext
+    ) -> kv_migration_pb2.KvMigrationStats:
+        rank = request.data_parallel_rank
+        engine = await self._rank(rank, context)
+        c = self.counters[rank]
+        return kv_migration_pb2.KvMigrationStats(
+            transfers_out=c.transfers_out,
+            bytes_out=c.bytes_out,
+            transfers_in=c.transfers_in,
+            bytes_in=c.bytes_in,
+            tokens_in=c.tokens_in,
+            transfer_seconds_in=c.transfer_seconds_in,
+            fallbacks=c.fallbacks,
+            prompt_tokens_computed=engine.engine.num_prompt_tokens_computed,
+            pinned_requests=engine.engine.num_pinned,
+        )
+
+    def _close(self, out: _Outgoing) -> None:
+        with contextlib.suppress(Exception):
+            out.channel.__exit__(None, None, None)  # unlinks the name (if the peer did not) and unmaps
+        if not out.keep_pin:
+            self.engines[out.rank].engine.unpin_kv(out.request_id)
+
+    def _expire_outgoing(self) -> None:
+        deadline = time.monotonic() - UNACKED_TRANSFER_TTL_S
+        for transfer_id in [t for t, o in self._outgoing.items() if o.created < deadline]:
+            self._close(self._outgoing.pop(transfer_id))
+
+    def close(self) -> None:
+        for out in self._outgoing.values():
+            self._close(out)
+        self._outgoing.clear()
+
+
+@dataclass(frozen=True)
+class KvTransferParams:
+    """`kv_transfer_params_json` of a GenerateRequest: where the request's KV is and how to fetch it."""
+
+    source_target: str  # host:port of the source replica's gRPC server
+    source_dp_rank: int
+    request_id: str  # the request's id on the source
+    num_tokens: int  # tokens whose KV the source should hold (0: as many as it has)
+    mode: TransferMode = "async"
+    timeout_ms: int = 5000
+
+    @classmethod
+    def from_json(cls, raw: str) -> KvTransferParams:
+        try:
+            data = json.loads(raw)
+            source = data["source"]
+            params = cls(
+                source_target=str(source["target"]),
+                source_dp_rank=int(source.get("dp_rank", 0)),
+                request_id=str(data["request_id"]),
+                num_tokens=int(data.get("num_tokens", 0)),
+                mode=data.get("mode", "async"),
+                timeout_ms=int(data.get("timeout_ms", 5000)),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"invalid kv_transfer_params_json: {e}") from None
+        if params.mode not in TRANSFER_MODES:
+            raise ValueError(f"invalid kv_transfer_params_json: mode {params.mode!r} is not one of {TRANSFER_MODES}")
+        if params.timeout_ms <= 0 or params.num_tokens < 0:
+            raise ValueError("invalid kv_transfer_params_json: timeout_ms must be > 0 and num_tokens >= 0")
+        return params
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "source": {"target": self.source_target, "dp_rank": self.source_dp_rank},
+                "request_id": self.request_id,
+                "num_tokens": self.num_tokens,
+                "mode": self.mode,
+                "timeout_ms": self.timeout_ms,
+            }
+        )
+
+
+class KvPuller:
+    """The destination side: fetch a request's KV from its source into reserved blocks of one engine."""
+
+    def __init__(self, counters: list[MigrationCounters], self_target: str) -> None:
+        self._counters = counters
+        self._self_target = self_target  # this replica's own host:port: a source here needs no transfer
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, target: str) -> kv_migration_pb2_grpc.KvMigrationStub:
+        channel = self._channels.get(target)
+        if channel is None:
+            channel = self._channels[target] = grpc.aio.insecure_channel(
+                target, options=[("grpc.max_receive_message_length", 64 << 20)]
+            )
+        return kv_migration_pb2_grpc.KvMigrationStub(channel)
+
+    async def pull(
+        self, engine: AsyncEngine, rank: int, prompt: Sequence[int], params: KvTransferParams
+    ) -> PreloadedKV | None:
+        """The KV of the longest prefix of `prompt` the source holds, in fresh blocks of `engine`; None (a
+        fallback to recompute, counted) when nothing could be moved within the timeout."""
+        counters = self._counters[rank]
+        start = time.perf_counter()
+        if params.source_target == self._self_target and params.source_dp_rank == rank:
+            # Back on the engine that pinned it: take the pinned blocks over, no copy.
+            limit = min(params.num_tokens or len(prompt) - 1, len(prompt) - 1)
+            kv = engine.engine.adopt_pin(params.request_id, prompt, limit) if limit > 0 else None
+            if kv is None:
+                counters.fallbacks += 1
+            return kv
+        try:
+            kv = await asyncio.wait_for(self._pull(engine, prompt, params), params.timeout_ms / 1000.0)
+        except (TimeoutError, grpc.RpcError, KVChannelError, OutOfBlocks, OSError, ValueError) as e:
+            logger.warning("KV pull for %s from %s failed, recomputing: %s", params.request_id, params.source_target, e)
+            kv = None
+        if kv is None:
+            counters.fallbacks += 1
+            return None
+        counters.transfers_in += 1
+        counters.tokens_in += kv.num_tokens
+        counters.bytes_in += layout_of(engine).transfer_nbytes(len(kv.block_ids))
+        counters.transfer_seconds_in += time.perf_counter() - start
+        return kv
+
+    async def _pull(self, engine: AsyncEngine, prompt: Sequence[int], params: KvTransferParams) -> PreloadedKV | None:
+        stub = self._stub(params.source_target)
+        limit = len(prompt) - 1  # the last prompt token is always computed here (its logits are needed)
+        want = min(params.num_tokens, limit) if params.num_tokens else limit
+        if want <= 0:
+            return None
+        reply = await stub.TransferKv(
+            kv_migration_pb2.TransferKvRequest(
+                request_id=params.request_id,
+                data_parallel_rank=params.source_dp_rank,
+                token_ids=prompt,
+                max_tokens=want,
+                channel="shm",
+                layout_json=json.dumps(layout_of(engine).to_dict()),
+                allow_prefix_cache=params.mode != "pin_sync",
+                keep_pin=False,
+            )
+        )
+        if reply.num_tokens == 0:
+            logger.info("KV pull for %s: nothing to move (%s)", params.request_id, reply.reason)
+            return None
+        ids: list[int] = []
+        try:
+            ids = engine.engine.reserve_blocks(reply.num_tokens)
+            transfer = ShmTransfer.from_dict(json.loads(reply.transfer_json))
+            await _in_thread(shm_receive, transfer, engine.engine.kv_cache.layers, ids)
+        except BaseException:
+            if ids:
+                engine.engine.release_blocks(ids)
+            with contextlib.suppress(grpc.RpcError):
+                await stub.ReleaseKv(kv_migration_pb2.ReleaseKvRequest(transfer_id=reply.transfer_id))
+            raise
+        await stub.ReleaseKv(kv_migration_pb2.ReleaseKvRequest(transfer_id=reply.transfer_id))
+        return PreloadedKV(tuple(ids), reply.num_tokens)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
