@@ -193,8 +193,11 @@ class Rollout:
         self._last: Generation | None = None
         self._interrupted = 0  # aborts after producing tokens
         self._refused = 0  # consecutive aborts with nothing produced (admission closed)
+        # Where the request's KV is: the instance and request id of the last iteration that produced tokens
+        # (a refused attempt computed nothing, so it does not move the source).
+        self._kv_source: tuple[InstanceId, str] | None = None
 
-    async def _begin(self, gen: GenerationInput, kv_source: tuple[InstanceId, str] | None = None) -> WorkerCall:
+    async def _begin(self, gen: GenerationInput) -> WorkerCall:
         request = SelectionRequest(gen.request_id, self._model, gen.prompt_ids, self._text, self.meta.routing_key)
         ticket = await self._d.acquire(self._model, self.meta, request, grpc_only=True)
         try:
@@ -202,7 +205,7 @@ class Rollout:
         except RouterError:
             self._d.finish(ticket, None)
             raise
-        params = self._d.kv_transfer_params(kv_source, gen)
+        params = self._d.kv_transfer_params(self._kv_source, gen)
         if params:
             gen = replace(gen, kv_transfer_params_json=params)
         call = await self._d.start_call(ticket, gen)
@@ -211,13 +214,13 @@ class Rollout:
             self.first_ticket = ticket
         return call
 
-    async def _loop_back(self, gen: GenerationInput, kv_source: tuple[InstanceId, str]) -> WorkerCall:
+    async def _loop_back(self, gen: GenerationInput) -> WorkerCall:
         """A looped-back request already holds tokens: while no instance can take it (a sync in progress),
         it waits rather than failing."""
         deadline = asyncio.get_running_loop().time() + LOOPBACK_WAIT_S
         while True:
             try:
-                return await self._begin(gen, kv_source)
+                return await self._begin(gen)
             except WorkerUnavailable:
                 if asyncio.get_running_loop().time() > deadline:
                     raise
@@ -242,7 +245,7 @@ class Rollout:
                 self._d.finish(ticket, call.error)
             segment = call.result
             if call.gen.kv_transfer_params_json:
-                self._d.metrics.kv_transfer(len(call.gen.prompt_ids) - 1, segment.cached_tokens)
+                self._d.metrics.kv_transfer(segment.kv_moved_tokens or 0)
             self.state.add(segment, ticket.instance.weight_version)
             verdict = classify(segment, self.state)
             if verdict == "done" or not self._d.partial_rollout:
@@ -253,6 +256,7 @@ class Rollout:
             if segment.output_ids:
                 self._interrupted += 1
                 self._refused = 0
+                self._kv_source = (ticket.instance.id, call.gen.request_id)
             else:
                 # Refused at admission (the replica is mid-sync): not progress, so back off instead of spinning.
                 self._refused += 1
@@ -268,12 +272,13 @@ class Rollout:
                 self.meta, hint=ticket.instance.id, force_pin_once=False, version_tag=ticket.pinned_version
             )
             logger.info(
-                "request %s looped back after %d tokens (iteration %d)",
+                "request %s looped back from %s after %d tokens (iteration %d)",
                 self.state.original.request_id,
+                ticket.instance.id,
                 len(self.state.output_ids),
                 self.state.iterations,
             )
-            call = await self._loop_back(self.state.next_input(), (ticket.instance.id, call.gen.request_id))
+            call = await self._loop_back(self.state.next_input())
 
     async def collect(self) -> Generation:
         async for _ in self.deltas():

@@ -89,13 +89,15 @@ class RouterMetrics:
         )
         self.kv_transfers = Counter(
             "psrl_router_kv_transfers",
-            "loop-backs sent with kv_transfer_params, by outcome (moved: the replica reported cached tokens; "
-            "recomputed: it prefilled instead)",
+            "loop-backs sent with kv_transfer_params, by outcome (moved: the replica pulled the KV; recomputed: "
+            "it prefilled instead)",
             ["outcome"],
             registry=self.registry,
         )
         self.kv_transfer_tokens = Counter(
-            "psrl_router_kv_transfer_tokens", "prompt tokens a loop-back did not prefill again", registry=self.registry
+            "psrl_router_kv_transfer_tokens",
+            "prompt tokens whose KV moved to a loop-back's new instance",
+            registry=self.registry,
         )
         self.queue_length = Gauge("psrl_router_queue_length", "requests waiting to be routed", registry=self.registry)
         self.registry.register(_InstanceCollector(workers))
@@ -124,10 +126,10 @@ class RouterMetrics:
     def selected(self, stage: str, chosen: bool) -> None:
         self._child(self.selections, stage, "chosen" if chosen else "none").inc()
 
-    def kv_transfer(self, wanted_tokens: int, cached_tokens: int) -> None:
-        """One loop-back dispatched with KV transfer params: `cached_tokens` of its `wanted_tokens` were reused."""
-        self._child(self.kv_transfers, "moved" if cached_tokens > 0 else "recomputed").inc()
-        self.kv_transfer_tokens.inc(min(cached_tokens, wanted_tokens))
+    def kv_transfer(self, moved_tokens: int) -> None:
+        """One loop-back dispatched with KV transfer params; the replica reported `moved_tokens` moved in."""
+        self._child(self.kv_transfers, "moved" if moved_tokens > 0 else "recomputed").inc()
+        self.kv_transfer_tokens.inc(moved_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

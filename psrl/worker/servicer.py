@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+import json
 import logging
 import time
 import zipfile
@@ -28,6 +29,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
@@ -194,9 +196,11 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             engine = self.engines[rank]
             preloaded: PreloadedKV | None = None
             pending = kv_params is not None and kv_params.mode == "async"
+            moved = _KvMoved()
             if kv_params is not None and not pending and engine.admission_closed_reason is None:
                 assert self.kv_puller is not None
                 preloaded = await self.kv_puller.pull(engine, rank, prompt, kv_params)
+                moved.tokens = preloaded.num_tokens if preloaded is not None else 0
             try:
                 stream = engine.generate(request_id, prompt, sampling, preloaded=preloaded, kv_pending=pending)
             except BaseException as e:
@@ -209,25 +213,26 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 return
             if pending:
                 assert kv_params is not None
-                task = asyncio.create_task(self._pull_then_attach(engine, rank, request_id, prompt, kv_params))
+                task = asyncio.create_task(self._pull_then_attach(engine, rank, request_id, prompt, kv_params, moved))
                 self._kv_pulls.add(task)
                 task.add_done_callback(self._kv_pulls.discard)
             self._rank_of[request_id] = rank
             # Tell the router the request is admitted, so a death from here on reads as mid-request (502)
             # even when no frame has come yet (non-streamed calls).
             await context.send_initial_metadata(((ACCEPTED_METADATA_KEY, "1"),))
+            report = None if kv_params is None else moved
             try:
                 acc = None if request.stream else _Accumulated()
                 async for out in stream:
                     if acc is None:
                         yield vllm_engine_pb2.GenerateResponse(chunk=self._chunk(out, with_top))
                         if out.finished:
-                            yield vllm_engine_pb2.GenerateResponse(complete=self._complete(out, with_top))
+                            yield vllm_engine_pb2.GenerateResponse(complete=self._complete(out, with_top, report))
                     else:
                         acc.add(out)
                         if out.finished:
                             full = acc.as_output(out)
-                            yield vllm_engine_pb2.GenerateResponse(complete=self._complete(full, with_top))
+                            yield vllm_engine_pb2.GenerateResponse(complete=self._complete(full, with_top, report))
             finally:
                 self._rank_of.pop(request_id, None)
         except _InvalidArgument as e:
@@ -245,11 +250,18 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             raise _InvalidArgument(str(e)) from None
 
     async def _pull_then_attach(
-        self, engine: AsyncEngine, rank: int, request_id: str, prompt: list[int], params: KvTransferParams
+        self,
+        engine: AsyncEngine,
+        rank: int,
+        request_id: str,
+        prompt: list[int],
+        params: KvTransferParams,
+        moved: _KvMoved,
     ) -> None:
         """`async` mode: the request waits in the engine (counted as waiting) while its KV is pulled."""
         assert self.kv_puller is not None
         kv = await self.kv_puller.pull(engine, rank, prompt, params)
+        moved.tokens = kv.num_tokens if kv is not None else 0
         if not engine.attach_kv(request_id, kv) and kv is not None:
             engine.engine.release_blocks(kv.block_ids)  # aborted meanwhile: the blocks are still ours
 
@@ -264,10 +276,14 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         )
 
     @staticmethod
-    def _complete(out: RequestOutput, with_top: bool) -> vllm_engine_pb2.GenerateComplete:
-        extra = {}
+    def _complete(
+        out: RequestOutput, with_top: bool, kv_moved: _KvMoved | None = None
+    ) -> vllm_engine_pb2.GenerateComplete:
+        extra: dict[str, Any] = {}
         if out.matched_stop_token_id is not None:
             extra["matched_token_id"] = out.matched_stop_token_id
+        if kv_moved is not None:
+            extra["kv_transfer_params_json"] = kv_moved.report()
         return vllm_engine_pb2.GenerateComplete(
             output_ids=out.new_token_ids,
             finish_reason=out.finish_reason or "stop",
@@ -424,6 +440,17 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         """Drop every rank's prefix cache; running requests keep their blocks (never needs to wait)."""
         cleared = sum(engine.reset_prefix_cache() for engine in self.engines)
         return common_pb2.FlushCacheResponse(success=True, message=f"dropped {cleared} cached blocks")
+
+
+@dataclass
+class _KvMoved:
+    """What a request with kv_transfer_params got: the prompt tokens whose KV moved in (0: it was prefilled),
+    reported back on its complete frame's kv_transfer_params_json."""
+
+    tokens: int | None = None  # None: the pull has not finished
+
+    def report(self) -> str:
+        return json.dumps({"moved_tokens": self.tokens or 0})
 
 
 def _refused_complete(num_prompt_tokens: int) -> vllm_engine_pb2.GenerateComplete:

@@ -86,6 +86,7 @@ class Generation:
     matched_stop_token_id: int | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    kv_moved_tokens: int | None = None  # a loop-back with kv_transfer_params: prompt tokens whose KV moved in
 
     @property
     def completion_tokens(self) -> int:

@@ -6,6 +6,7 @@ when no chunk came (non-streamed calls), because when streaming it repeats the l
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -48,6 +49,14 @@ def _logprobs_of(proto: vllm_engine_pb2.OutputLogProbs, want_top: bool):
     if want_top and proto.top_logprobs:
         top = [list(zip(t.token_ids, t.values)) for t in proto.top_logprobs]
     return list(proto.token_logprobs), top
+
+
+def _moved_tokens(report: str) -> int:
+    """The replica's answer to kv_transfer_params (`{"moved_tokens": n}`); 0 when it is unreadable."""
+    try:
+        return int(json.loads(report).get("moved_tokens") or 0)
+    except (ValueError, AttributeError, TypeError):
+        return 0
 
 
 def map_rpc_error(e: grpc.aio.AioRpcError, *, started: bool, instance: InstanceState) -> RouterError:
@@ -141,6 +150,8 @@ class WorkerCall:
                 res.cached_tokens = max(res.cached_tokens, c.cached_tokens)
                 if c.WhichOneof("matched_stop") == "matched_token_id":
                     res.matched_stop_token_id = c.matched_token_id
+                if c.kv_transfer_params_json:
+                    res.kv_moved_tokens = _moved_tokens(c.kv_transfer_params_json)
                 if not self._saw_chunk and c.output_ids:
                     lps, top = _logprobs_of(c.output_logprobs, self._want_top)
                     self._extend(list(c.output_ids), lps, top)
