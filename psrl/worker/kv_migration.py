@@ -24,10 +24,9 @@ from typing import Any, Literal, TypeVar
 import grpc
 
 from psrl._proto import kv_migration_pb2, kv_migration_pb2_grpc
-from psrl.engine import AsyncEngine, OutOfBlocks, PreloadedKV
-from psrl.engine.errors import InvalidRequestError
+from psrl.engine import AsyncEngine, InvalidRequestError, PreloadedKV
 from psrl.kv import KVLayoutSpec, LayoutError, check_compatible
-from psrl.kv.channels import KVChannelError, ShmChannel, ShmTransfer, shm_receive, shm_send
+from psrl.kv.channels import ShmChannel, ShmTransfer, shm_receive, shm_send
 
 logger = logging.getLogger(__name__)
 
@@ -226,17 +225,6 @@ class KvTransferParams:
             raise ValueError("invalid kv_transfer_params_json: timeout_ms must be > 0 and num_tokens >= 0")
         return params
 
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "source": {"target": self.source_target, "dp_rank": self.source_dp_rank},
-                "request_id": self.request_id,
-                "num_tokens": self.num_tokens,
-                "mode": self.mode,
-                "timeout_ms": self.timeout_ms,
-            }
-        )
-
 
 class KvPuller:
     """The destination side: fetch a request's KV from its source into reserved blocks of one engine."""
@@ -270,8 +258,14 @@ class KvPuller:
             return kv
         try:
             kv = await asyncio.wait_for(self._pull(engine, prompt, params), params.timeout_ms / 1000.0)
-        except (TimeoutError, grpc.RpcError, KVChannelError, OutOfBlocks, OSError, ValueError) as e:
-            logger.warning("KV pull for %s from %s failed, recomputing: %s", params.request_id, params.source_target, e)
+        except Exception as e:  # any failure (timeout, source gone, channel, no room) only costs a recompute
+            logger.warning(
+                "KV pull for %s from %s failed, recomputing: %s: %s",
+                params.request_id,
+                params.source_target,
+                type(e).__name__,
+                e,
+            )
             kv = None
         if kv is None:
             counters.fallbacks += 1

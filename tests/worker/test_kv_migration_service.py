@@ -1,0 +1,102 @@
+"""The KvMigration service and the destination's pull, in process over a real gRPC server: the error paths
+(the happy paths run over real replica processes in tests/kv/test_migration_e2e.py)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from psrl._proto import kv_migration_pb2 as pb
+from psrl._proto import kv_migration_pb2_grpc as pb_grpc
+from psrl.engine import AsyncEngine, CacheConfig, Engine, ModelConfig, SamplingOptions
+from psrl.worker.kv_migration import KvMigrationServicer, KvPuller, KvTransferParams, layout_of
+
+PROMPT = list(range(1, 40))
+
+
+def _engine() -> AsyncEngine:
+    engine = Engine(ModelConfig(vocab_size=256), CacheConfig(block_size=16, num_blocks=64), seed=0)
+    engine.kv_pin_ttl_s = 30.0
+    return AsyncEngine(engine)
+
+
+@pytest.fixture
+async def source() -> AsyncIterator[tuple[str, KvMigrationServicer]]:
+    servicer = KvMigrationServicer([_engine()])
+    server = grpc.aio.server()
+    pb_grpc.add_KvMigrationServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    yield f"127.0.0.1:{port}", servicer
+    await server.stop(0)
+    servicer.close()
+    for e in servicer.engines:
+        e.shutdown()
+
+
+async def test_transfer_refusals_say_why(source) -> None:
+    target, servicer = source
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = pb_grpc.KvMigrationStub(ch)
+        reply = await stub.TransferKv(pb.TransferKvRequest(request_id="nope", token_ids=PROMPT, max_tokens=38))
+        assert reply.num_tokens == 0 and "no KV held" in reply.reason
+        reply = await stub.TransferKv(pb.TransferKvRequest(request_id="nope", token_ids=PROMPT, channel="nccl"))
+        assert reply.num_tokens == 0 and "not served" in reply.reason
+        theirs = layout_of(servicer.engines[0]).to_dict() | {"num_kv_heads": 99}
+        reply = await stub.TransferKv(
+            pb.TransferKvRequest(request_id="nope", token_ids=PROMPT, layout_json=json.dumps(theirs))
+        )
+        assert reply.num_tokens == 0 and "layout mismatch" in reply.reason and "num_kv_heads" in reply.reason
+        assert not (await stub.ReleaseKv(pb.ReleaseKvRequest(transfer_id="unknown"))).released
+        assert not (await stub.UnpinKv(pb.UnpinKvRequest(request_id="nope"))).unpinned
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.PinKv(pb.PinKvRequest(request_id="nope", ttl_ms=1000))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.GetKvMigrationStats(pb.GetKvMigrationStatsRequest(data_parallel_rank=3))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_pull_moves_the_pinned_prefix_and_falls_back_when_the_source_is_gone(source) -> None:
+    target, servicer = source
+    src = servicer.engines[0]
+    stream = src.generate("r", PROMPT, SamplingOptions(temperature=0.0, max_tokens=50, ignore_eos=True))
+    await stream.__anext__()  # prefilled: the prompt's KV is computed
+    async with grpc.aio.insecure_channel(target) as ch:
+        pinned = await pb_grpc.KvMigrationStub(ch).PinKv(pb.PinKvRequest(request_id="r", ttl_ms=10_000))
+    assert pinned.num_tokens >= len(PROMPT)
+    await src.abort("r")
+    dest = _engine()
+    puller = KvPuller(servicer.counters, "127.0.0.1:1")
+    try:
+        params = KvTransferParams(target, 0, "r", num_tokens=0, mode="sync", timeout_ms=5000)
+        kv = await puller.pull(dest, 0, PROMPT, params)
+        assert kv is not None and kv.num_tokens == len(PROMPT) - 1
+        assert servicer.counters[0].transfers_in == 1 and servicer.counters[0].transfers_out == 1
+        assert src.engine.num_pinned == 0  # released with the transfer
+        dest.engine.release_blocks(kv.block_ids)
+        gone = KvTransferParams("127.0.0.1:9", 0, "r", num_tokens=0, mode="sync", timeout_ms=300)
+        assert await puller.pull(dest, 0, PROMPT, gone) is None
+        assert servicer.counters[0].fallbacks == 1 and dest.engine.num_used_blocks == 0
+    finally:
+        await puller.close()
+        dest.shutdown()
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "not json",
+        "{}",
+        json.dumps({"source": {"target": "h:1"}, "request_id": "r", "mode": "eventually"}),
+        json.dumps({"source": {"target": "h:1"}, "request_id": "r", "timeout_ms": 0}),
+    ],
+)
+def test_bad_transfer_params_are_a_clear_error(raw: str) -> None:
+    with pytest.raises(ValueError, match="kv_transfer_params_json"):
+        KvTransferParams.from_json(raw)
+    good = {"source": {"target": "h:1", "dp_rank": 2}, "request_id": "r", "num_tokens": 7, "mode": "pin_sync"}
+    assert KvTransferParams.from_json(json.dumps(good)) == KvTransferParams("h:1", 2, "r", 7, "pin_sync", 5000)
