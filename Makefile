@@ -1,6 +1,6 @@
 # The README's two commands. Both create .venv and install what they need on a fresh machine.
 #   make run   start the gateway (router + embedded reference replicas) and print how to call it
-#   make test  install with dev extras, build the native extension, lint, and run the tests
+#   make test  install with dev extras, build the native extension, lint, and run the tests (then the slow ones)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,7 +11,7 @@ PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: run test install install-dev build lint pytest proto bench clean
+.PHONY: run test install install-dev build lint pytest pytest-slow proto bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,7 +43,11 @@ lint: install-dev
 pytest: install-dev
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test: lint pytest
+# Second stage: the tests marked slow (minutes each; the default run deselects them).
+pytest-slow: install-dev
+	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+test: lint pytest pytest-slow
 
 proto: install-dev
 	$(PY) proto/gen_stubs.py
