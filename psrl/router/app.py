@@ -99,6 +99,7 @@ class RouterApp:
             )
         self.tool_parser = make_tool_parser(config.tool_call_parser)
         self.tito = TitoBridge(config.tito, self._default_tokenizer)
+        self.metrics.tito_sessions.set_function(self.tito.num_sessions)
         self.tokenizers = TokenizerStore(self.registry, self.clients, config.tokenizer_path)
         self.dispatcher = Dispatcher(
             self.registry,

@@ -99,6 +99,7 @@ class RouterMetrics:
             "prompt tokens whose KV moved to a loop-back's new instance",
             registry=self.registry,
         )
+        self.tito_sessions = Gauge("psrl_router_tito_sessions", "TITO sessions held", registry=self.registry)
         self.queue_length = Gauge("psrl_router_queue_length", "requests waiting to be routed", registry=self.registry)
         self.registry.register(_InstanceCollector(workers))
 

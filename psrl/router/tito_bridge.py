@@ -80,6 +80,9 @@ class TitoBridge:
                     )
         return self._store
 
+    def num_sessions(self) -> int:
+        return 0 if self._store is None else len(self._store)
+
     # ---- endpoints ----------------------------------------------------------------------------------
 
     async def create(self) -> str:

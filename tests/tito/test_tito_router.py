@@ -57,7 +57,9 @@ def test_three_turns_record_exactly_what_was_sampled(router, tokenizer) -> None:
         start += n
     assert (arrays.rollout_logprobs[arrays.response_mask == 1] <= 0).all()
     assert (arrays.response_mask == 0).any()  # the user turns in between
+    assert "psrl_router_tito_sessions 1.0" in httpx.get(f"{router.url}/metrics").text
     assert httpx.delete(f"{router.url}/tito/sessions/{sid}").status_code == 204
+    assert "psrl_router_tito_sessions 0.0" in httpx.get(f"{router.url}/metrics").text
     r = httpx.get(f"{router.url}/tito/sessions/{sid}")
     assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
 
