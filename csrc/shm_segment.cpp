@@ -61,6 +61,14 @@ ShmSegment ShmSegment::create(const std::string& raw_name, size_t size) {
     if (::ftruncate(fd, static_cast<off_t>(size)) != 0) {
       throw_errno(errno, "cannot size shared memory segment to " + std::to_string(size) + " bytes", name);
     }
+    // Reserve the pages now: on a full tmpfs a write to an unbacked page is a SIGBUS that kills the process,
+    // while this fails cleanly (ENOSPC) and the caller falls back.
+    if (size > 0) {
+      const int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(size));
+      if (rc != 0) {
+        throw_errno(rc, "cannot reserve " + std::to_string(size) + " bytes for shared memory segment", name);
+      }
+    }
     void* data = map(fd, size, false, name);
     return ShmSegment(name, fd, data, size, false, true);
   } catch (...) {

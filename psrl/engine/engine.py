@@ -104,7 +104,7 @@ class Engine:
         self.weight_version = 0
         self.kv_cache = PagedKVCache(model_config, cache_config, device=self.device)
         self._pool = BlockPool(cache_config.num_blocks, cache_config.block_size, enable_caching=enable_prefix_caching)
-        self._scheduler = Scheduler(self._pool, max_num_seqs, max_num_batched_tokens)
+        self._scheduler = Scheduler(self._pool, max_num_seqs, max_num_batched_tokens, self._drop_oldest_pin_locked)
         self._sampler = Sampler(seed)
         self._requests: dict[str, Request] = {}
         self._pending_outputs: list[RequestOutput] = []  # abort notices for the next step to return
@@ -120,7 +120,11 @@ class Engine:
         self.kv_pin_ttl_s: float | None = None
         # Prompt positions this engine computed (prefill work; what a prefix-cache hit or migrated KV saves).
         self.num_prompt_tokens_computed = 0
-        self._pins: dict[str, _Pin] = {}
+        self._pins: dict[str, _Pin] = {}  # oldest first
+        # Requests whose blocks the forward in flight writes: an abort meanwhile frees their blocks only once
+        # it has ended, so that reserve_blocks (which runs outside a step) never hands out a block being written.
+        self._in_forward: set[str] = set()
+        self._deferred_free: list[int] = []
 
     # ---- weights --------------------------------------------------------------------------------
 
@@ -292,6 +296,9 @@ class Engine:
     def _abort_locked(self, req: Request) -> None:
         """Caller holds _lock."""
         del self._requests[req.request_id]
+        if req.request_id in self._in_forward:
+            self._deferred_free += req.block_ids  # the forward in flight still writes them
+            req.block_ids = []
         self._scheduler.finish(req)
         self._pending_abort_ids.add(req.request_id)
         self._pending_outputs.append(
@@ -426,8 +433,15 @@ class Engine:
             pin = self._pins.pop(request_id, None)
             if pin is None:
                 return None
+            block_size = self.cache_config.block_size
             n = min(_common_prefix(pin.token_ids, token_ids), max_tokens)
-            keep = blocks_for_tokens(n, self.cache_config.block_size)
+            if n % block_size:
+                # The request will write its tokens from n on into the last kept block: only if nobody else
+                # reads that block (the prefix cache, or a request still running after PinKv).
+                last = pin.block_ids[n // block_size]
+                if self._pool.is_cached(last) or self._pool.ref_count(last) > 1:
+                    n -= n % block_size
+            keep = blocks_for_tokens(n, block_size)
             self._pool.free(pin.block_ids[keep:])
             if n == 0:
                 return None
@@ -465,6 +479,11 @@ class Engine:
         self._pool.touch(ids)
         self._pins[req.request_id] = _Pin(tuple(req.token_ids[:n]), tuple(ids), time.monotonic() + ttl_s)
         return n
+
+    def _drop_oldest_pin_locked(self) -> bool:
+        if not self._pins:
+            return False
+        return self._drop_pin_locked(next(iter(self._pins)))
 
     def _drop_pin_locked(self, request_id: str) -> bool:
         pin = self._pins.pop(request_id, None)
@@ -539,15 +558,25 @@ class Engine:
                 sampling_chunks = [c for c in chunks if c.samples]
                 options = [c.request.sampling for c in sampling_chunks]
                 generators = [c.request.generator for c in sampling_chunks]
+                self._in_forward = {c.request.request_id for c in chunks}
             model = self._model
             try:
                 with torch.inference_mode():
                     logits = model.forward_paged(batch, self.kv_cache.layers)
                     sampled = self._sampler.sample(logits, options, generators) if options else None
             except Exception as exc:
+                self._end_forward()
                 raise EngineStepError(self._fail_chunks(chunks), exc) from exc
+            self._end_forward()
             with self._lock:
                 return self._take_pending_outputs() + self._update(chunks, sampled)
+
+    def _end_forward(self) -> None:
+        with self._lock:
+            self._in_forward = set()
+            if self._deferred_free:
+                self._pool.free(self._deferred_free)
+                self._deferred_free = []
 
     def _take_pending_outputs(self) -> list[RequestOutput]:
         out, self._pending_outputs = self._pending_outputs, []

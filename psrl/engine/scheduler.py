@@ -10,6 +10,7 @@ them: the last token is always computed), and blocks become cached once their K/
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from psrl.engine.kv_cache import blocks_for_tokens
@@ -30,8 +31,17 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        drop_pin: Callable[[], bool] | None = None,
+    ) -> None:
         self.pool = pool
+        # Frees the oldest pinned KV (held for a migration peer), True if there was one: the first blocks given
+        # back when the cache runs short.
+        self.drop_pin = drop_pin
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -70,6 +80,8 @@ class Scheduler:
             n = min(req.num_uncomputed_tokens, budget)
             need = self._blocks_needed(req, n)
             while need > self.pool.num_free:
+                if self._reclaim(keep=None):
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -90,6 +102,8 @@ class Scheduler:
                 n = min(req.num_uncomputed_tokens, budget)
                 need = self._blocks_needed(req, n)
                 if need > self.pool.num_free:
+                    if self._reclaim(keep=req):
+                        continue
                     break
                 self.waiting.popleft()
                 req.block_ids.extend(self.pool.allocate(need))
@@ -99,6 +113,8 @@ class Scheduler:
                 n = min(req.num_tokens - num_hit_tokens, budget)
                 need = blocks_for_tokens(num_hit_tokens + n, self.block_size) - len(hits)
                 if need + self.pool.num_evictable(hits) > self.pool.num_free:
+                    if self._reclaim(keep=req):
+                        continue
                     break
                 self.waiting.popleft()
                 self.pool.touch(hits)  # before allocate, which could otherwise evict them
@@ -135,6 +151,20 @@ class Scheduler:
         extend_block_hashes(req.block_hashes, req.token_ids, self.block_size, num_full)
         self.pool.cache_blocks(req.block_ids, req.block_hashes, req.token_ids, req.num_cached_blocks, num_full)
         req.num_cached_blocks = num_full
+
+    def _reclaim(self, keep: Request | None) -> bool:
+        """Give back blocks nothing running needs: pinned KV first (oldest pin), then the migrated KV of the last
+        waiting request other than `keep` (it is prefilled when its turn comes). True if something was freed;
+        without this, waiting requests holding migrated KV could starve each other for good."""
+        if self.drop_pin is not None and self.drop_pin():
+            return True
+        for req in reversed(self.waiting):
+            if req is not keep and req.block_ids:
+                self._free_blocks(req)
+                req.num_computed_tokens = 0
+                req.num_cached_tokens = -1  # measured again at its admission
+                return True
+        return False
 
     def _blocks_needed(self, req: Request, num_new_tokens: int) -> int:
         total = blocks_for_tokens(req.num_computed_tokens + num_new_tokens, self.block_size)

@@ -193,8 +193,8 @@ class Rollout:
         self._last: Generation | None = None
         self._interrupted = 0  # aborts after producing tokens
         self._refused = 0  # consecutive aborts with nothing produced (admission closed)
-        # Where the request's KV is: the instance and request id of the last iteration that produced tokens
-        # (a refused attempt computed nothing, so it does not move the source).
+        # Where the request's KV is: the instance and request id of the last iteration that ran (produced tokens
+        # or took KV in); a refused attempt computed nothing, so it does not move the source.
         self._kv_source: tuple[InstanceId, str] | None = None
 
     async def _begin(self, gen: GenerationInput) -> WorkerCall:
@@ -244,8 +244,8 @@ class Rollout:
                 call.cancel()
                 self._d.finish(ticket, call.error)
             segment = call.result
-            if call.gen.kv_transfer_params_json:
-                self._d.metrics.kv_transfer(segment.kv_moved_tokens or 0)
+            if segment.kv_moved_tokens is not None:  # admitted with kv_transfer_params (a refusal reports nothing)
+                self._d.metrics.kv_transfer(segment.kv_moved_tokens)
             self.state.add(segment, ticket.instance.weight_version)
             verdict = classify(segment, self.state)
             if verdict == "done" or not self._d.partial_rollout:
@@ -253,10 +253,12 @@ class Rollout:
                 if segment.finish_reason == "abort" and self.state.remaining_tokens == 0:
                     self._last = replace(segment, finish_reason="length")
                 return
+            if segment.output_ids or segment.kv_moved_tokens:
+                # It ran there (its KV, moved in or computed, is now pinned there): the next hop pulls from it.
+                self._kv_source = (ticket.instance.id, call.gen.request_id)
             if segment.output_ids:
                 self._interrupted += 1
                 self._refused = 0
-                self._kv_source = (ticket.instance.id, call.gen.request_id)
             else:
                 # Refused at admission (the replica is mid-sync): not progress, so back off instead of spinning.
                 self._refused += 1

@@ -15,10 +15,12 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import grpc
@@ -33,8 +35,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 TransferMode = Literal["async", "sync", "pin_sync"]
 TRANSFER_MODES: tuple[TransferMode, ...] = ("async", "sync", "pin_sync")
-# A gathered segment the peer never acknowledged is freed after this long.
-UNACKED_TRANSFER_TTL_S = 120.0
+# A gathered segment the peer never acknowledged is freed after this long (swept every quarter of it).
+UNACKED_TRANSFER_TTL_S = 60.0
 
 
 def layout_of(engine: AsyncEngine) -> KVLayoutSpec:
@@ -72,7 +74,9 @@ async def _in_thread(fn: Callable[..., T], *args: Any, discard: Callable[[T], No
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
-        await asyncio.wait([task])
+        while not task.done():  # a second cancellation must not cut this wait short either
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([task])
         if discard is not None and not task.cancelled() and task.exception() is None:
             discard(task.result())
         raise
@@ -86,6 +90,21 @@ class KvMigrationServicer(kv_migration_pb2_grpc.KvMigrationServicer):
         self.engines = engines
         self.counters = [MigrationCounters() for _ in engines]
         self._outgoing: dict[str, _Outgoing] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Remove segments dead replicas left behind, and start freeing segments no peer acknowledged (call with
+        the server's event loop running)."""
+        removed = remove_stale_segments()
+        if removed:
+            logger.info("removed %d shared-memory segment(s) left by dead processes", removed)
+
+        async def sweep() -> None:
+            while True:
+                await asyncio.sleep(UNACKED_TRANSFER_TTL_S / 4)
+                self._expire_outgoing()
+
+        self._sweeper = asyncio.create_task(sweep())
 
     async def _rank(self, rank: int, context: grpc.aio.ServicerContext) -> AsyncEngine:
         if not 0 <= rank < len(self.engines):
@@ -188,9 +207,35 @@ class KvMigrationServicer(kv_migration_pb2_grpc.KvMigrationServicer):
             self._close(self._outgoing.pop(transfer_id))
 
     def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         for out in self._outgoing.values():
             self._close(out)
         self._outgoing.clear()
+
+
+def remove_stale_segments(shm_dir: Path = Path("/dev/shm")) -> int:
+    """Unlink KV segments whose creating process is gone (names are `psrl-kv-<pid>-<random>`, see
+    psrl.kv.channels.new_segment_name): a source killed mid-transfer leaves its segments behind."""
+    removed = 0
+    for path in shm_dir.glob("psrl-kv-*-*") if shm_dir.is_dir() else ():
+        pid = path.name.split("-")[2]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        with contextlib.suppress(OSError):
+            path.unlink()
+            removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @dataclass(frozen=True)
@@ -233,6 +278,7 @@ class KvPuller:
         self._counters = counters
         self._self_target = self_target  # this replica's own host:port: a source here needs no transfer
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._releases: set[asyncio.Task[None]] = set()
 
     def _stub(self, target: str) -> kv_migration_pb2_grpc.KvMigrationStub:
         channel = self._channels.get(target)
@@ -297,6 +343,9 @@ class KvPuller:
         if reply.num_tokens == 0:
             logger.info("KV pull for %s: nothing to move (%s)", params.request_id, reply.reason)
             return None
+        if reply.num_tokens > want:
+            self._release(stub, reply.transfer_id)
+            raise ValueError(f"the source offered {reply.num_tokens} tokens of KV, more than the {want} asked for")
         ids: list[int] = []
         try:
             ids = engine.engine.reserve_blocks(reply.num_tokens)
@@ -305,13 +354,28 @@ class KvPuller:
         except BaseException:
             if ids:
                 engine.engine.release_blocks(ids)
-            with contextlib.suppress(grpc.RpcError):
-                await stub.ReleaseKv(kv_migration_pb2.ReleaseKvRequest(transfer_id=reply.transfer_id))
+            self._release(stub, reply.transfer_id)
             raise
-        await stub.ReleaseKv(kv_migration_pb2.ReleaseKvRequest(transfer_id=reply.transfer_id))
+        self._release(stub, reply.transfer_id)
         return PreloadedKV(tuple(ids), reply.num_tokens)
 
+    def _release(self, stub: kv_migration_pb2_grpc.KvMigrationStub, transfer_id: str) -> None:
+        """Acknowledge in the background: the request need not wait for the source to tear its segment down
+        (an acknowledgement that never arrives is covered by the source's UNACKED_TRANSFER_TTL_S)."""
+
+        async def release() -> None:
+            try:
+                await stub.ReleaseKv(kv_migration_pb2.ReleaseKvRequest(transfer_id=transfer_id), timeout=10)
+            except grpc.RpcError as e:
+                logger.info("ReleaseKv %s failed (the source frees it on its own): %s", transfer_id, e)
+
+        task = asyncio.create_task(release())
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
     async def close(self) -> None:
+        if self._releases:
+            await asyncio.wait(self._releases, timeout=5)
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()

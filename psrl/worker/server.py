@@ -140,6 +140,7 @@ async def serve(args: WorkerArgs) -> None:
     replica_control_pb2_grpc.add_ReplicaControlServicer_to_server(ReplicaControlServicer(engines), server)
     kv_migration_pb2_grpc.add_KvMigrationServicer_to_server(migration, server)
     await server.start()
+    migration.start()
     # One parseable line for launchers that passed --port 0.
     print(f"PSRL_WORKER_READY grpc://{target} dp_size={args.dp_size} model={served_name}", flush=True)
 

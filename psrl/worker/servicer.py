@@ -260,10 +260,17 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     ) -> None:
         """`async` mode: the request waits in the engine (counted as waiting) while its KV is pulled."""
         assert self.kv_puller is not None
-        kv = await self.kv_puller.pull(engine, rank, prompt, params)
-        moved.tokens = kv.num_tokens if kv is not None else 0
-        if not engine.attach_kv(request_id, kv) and kv is not None:
-            engine.engine.release_blocks(kv.block_ids)  # aborted meanwhile: the blocks are still ours
+        kv = await self.kv_puller.pull(engine, rank, prompt, params)  # never raises: None is a fallback
+        used = kv
+        try:
+            attached = engine.attach_kv(request_id, kv)
+        except ValueError:  # KV that does not fit this request: prefill it instead
+            logger.exception("KV for %s does not fit it; prefilling", request_id)
+            used = None
+            attached = engine.attach_kv(request_id, None)
+        moved.tokens = used.num_tokens if attached and used is not None else 0
+        if kv is not None and (not attached or used is None):
+            engine.engine.release_blocks(kv.block_ids)  # aborted meanwhile, or not used: the blocks are ours
 
     @staticmethod
     def _chunk(out: RequestOutput, with_top: bool) -> vllm_engine_pb2.GenerateStreamChunk:

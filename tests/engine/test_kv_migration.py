@@ -147,3 +147,44 @@ def test_a_request_back_on_its_engine_adopts_its_pin_without_a_copy() -> None:
     assert tokens[len(prompt) :] + drain(engine)["r-1"].token_ids == expected
     assert engine.num_used_blocks == 0
     assert engine.adopt_pin("r", tokens, 10) is None
+
+
+def test_waiting_requests_with_migrated_kv_cannot_starve_each_other() -> None:
+    # 8 blocks of 16: two migrated requests of 65 tokens (64 moved) hold all 8; each needs one more to run.
+    [p1, p2] = prompts([65, 65], seed=13)
+    engine = make_engine(num_blocks=8)
+    for rid, p in (("a", p1), ("b", p2)):
+        ids = engine.reserve_blocks(64)
+        engine.add_request(rid, p, greedy(4), preloaded=PreloadedKV(tuple(ids), 64))
+    assert engine.num_used_blocks == 8
+    out = drain(engine, max_steps=200)  # the second one gives its KV back and is prefilled instead
+    assert {rid: len(c.token_ids) for rid, c in out.items()} == {"a": 4, "b": 4}
+    assert engine.num_used_blocks == 0
+
+
+def test_pins_are_given_back_before_anything_waits_or_is_preempted() -> None:
+    engine = make_engine(num_blocks=8)
+    engine.kv_pin_ttl_s = 3600.0
+    [p] = prompts([90], seed=17)
+    engine.add_request("r", p, greedy(10))
+    engine.step()
+    engine.step()
+    engine.abort_all_for_sync()  # the pin holds the 6 blocks of its 91 computed tokens
+    engine.step()
+    assert engine.num_pinned == 1 and engine.num_used_blocks == 6
+    [q] = prompts([100], seed=19)
+    engine.add_request("q", q, greedy(8))  # needs 7 blocks: only the pin's can make room
+    assert len(drain(engine, max_steps=200)["q"].token_ids) == 8
+    assert engine.num_pinned == 0 and engine.num_used_blocks == 0
+
+
+def test_adopting_a_pin_never_writes_into_a_block_others_read() -> None:
+    [prompt] = prompts([40], seed=23)
+    engine = make_engine()
+    engine.kv_pin_ttl_s = 30.0
+    tokens = _interrupted(engine, "r", prompt, steps=4)  # 43 tokens: blocks 0-1 full (cached), block 2 partial
+    diverged = [*tokens[:20], (tokens[20] + 1) % 256, *tokens[21:]]  # diverges inside full, cached block 1
+    kv = engine.adopt_pin("r", diverged, len(diverged) - 1)
+    assert kv is not None and kv.num_tokens == 16 and len(kv.block_ids) == 1  # rounded down to block 0
+    engine.release_blocks(kv.block_ids)
+    assert engine.num_used_blocks == 0

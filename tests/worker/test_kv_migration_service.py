@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import subprocess
 from collections.abc import AsyncIterator
 
 import grpc
@@ -12,7 +15,13 @@ import pytest
 from psrl._proto import kv_migration_pb2 as pb
 from psrl._proto import kv_migration_pb2_grpc as pb_grpc
 from psrl.engine import AsyncEngine, CacheConfig, Engine, ModelConfig, SamplingOptions
-from psrl.worker.kv_migration import KvMigrationServicer, KvPuller, KvTransferParams, layout_of
+from psrl.worker.kv_migration import (
+    KvMigrationServicer,
+    KvPuller,
+    KvTransferParams,
+    layout_of,
+    remove_stale_segments,
+)
 
 PROMPT = list(range(1, 40))
 
@@ -76,7 +85,11 @@ async def test_pull_moves_the_pinned_prefix_and_falls_back_when_the_source_is_go
         kv = await puller.pull(dest, 0, PROMPT, params)
         assert kv is not None and kv.num_tokens == len(PROMPT) - 1
         assert servicer.counters[0].transfers_in == 1 and servicer.counters[0].transfers_out == 1
-        assert src.engine.num_pinned == 0  # released with the transfer
+        for _ in range(100):  # the acknowledgement that ends the pin goes out in the background
+            if src.engine.num_pinned == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert src.engine.num_pinned == 0
         dest.engine.release_blocks(kv.block_ids)
         gone = KvTransferParams("127.0.0.1:9", 0, "r", num_tokens=0, mode="sync", timeout_ms=300)
         assert await puller.pull(dest, 0, PROMPT, gone) is None
@@ -100,3 +113,13 @@ def test_bad_transfer_params_are_a_clear_error(raw: str) -> None:
         KvTransferParams.from_json(raw)
     good = {"source": {"target": "h:1", "dp_rank": 2}, "request_id": "r", "num_tokens": 7, "mode": "pin_sync"}
     assert KvTransferParams.from_json(json.dumps(good)) == KvTransferParams("h:1", 2, "r", 7, "pin_sync", 5000)
+
+
+def test_segments_of_dead_processes_are_removed(tmp_path) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / f"psrl-kv-{dead.pid}-{'a' * 32}").write_bytes(b"x")
+    (tmp_path / f"psrl-kv-{os.getpid()}-{'b' * 32}").write_bytes(b"x")  # alive: kept
+    (tmp_path / "other-segment").write_bytes(b"x")
+    assert remove_stale_segments(tmp_path) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other-segment", f"psrl-kv-{os.getpid()}-{'b' * 32}"]
