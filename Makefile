@@ -52,7 +52,9 @@ test: lint pytest pytest-slow
 proto: install-dev
 	$(PY) proto/gen_stubs.py
 
-bench: install
+bench: $(VENV)/.torch
+	$(PIP) install --quiet "scikit-build-core>=0.10" "pybind11>=2.12"
+	$(PIP) install --quiet --no-build-isolation -e ".[bench]"
 	$(PY) bench/kv_migrate.py
 
 clean:
