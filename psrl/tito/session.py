@@ -12,7 +12,7 @@ import json
 import logging
 import secrets
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,22 +81,41 @@ class PreparedTurn:
     parent_node_id: int | None
     reused_tokens: int
     branched: bool
+    draft: _Draft = field(repr=False)
     mismatch_report: list[dict[str, Any]] = field(default_factory=list)
-    prompt_hash: str = field(default="", repr=False)
-    num_messages: int = field(default=0, repr=False)
-    # The template's render of this turn's prompt (with the generation prompt): its length and digest, so the
-    # next turn can check that the conversation so far still renders the same without rendering it again.
-    rendered_len: int = field(default=0, repr=False)
-    rendered_digest: bytes = field(default=b"", repr=False)
 
     @property
     def new_tokens(self) -> int:
         return len(self.prompt_ids) - self.reused_tokens
 
 
+@dataclass(frozen=True, eq=False)
+class _Draft:
+    """What record_turn needs, besides the ids, to add a prepared turn to the tree.
+
+    The prompt has `num_messages` messages. Its chain (see _chain_hashes) hashes the items [header, *messages];
+    `items` and `hashes` are the normalized items from the parent's chain on and the hashes after each (at a
+    root, all of them from the header on; at a child, from the parent's assistant reply as the agent echoed it
+    on), so hashes[-1] is the prompt's hash and a path's items and hashes are the concatenation of its nodes'.
+    `rendered_tail` is the template's render of the prompt after the parent's render (all of it at a root), so
+    that a path's render is the concatenation of its nodes' tails too.
+    """
+
+    num_messages: int
+    items: list[Any]
+    hashes: list[str]
+    rendered_tail: str
+
+
 @dataclass(eq=False)
 class _Node:
-    """One recorded turn: the prompt ids it added after its parent's ids, and the ids the model sampled."""
+    """One recorded turn: the prompt ids it added after its parent's ids, and the ids the model sampled.
+
+    It also keeps its part of the conversation (see _Draft), so that the next turn can match the history
+    against the recorded path message by message and reuse the chain hashes, and check that the history still
+    renders as recorded without rendering or hashing it again. Each node holds only what it added: a path's
+    items, hashes and render are split over its nodes, so memory grows linearly with the conversation.
+    """
 
     id: int
     parent: int | None
@@ -110,8 +129,12 @@ class _Node:
     weight_version: int | None
     token_versions: list[int | None] | None
     mismatch_report: list[dict[str, Any]]
-    rendered_len: int = 0
-    rendered_digest: bytes = b""
+    items: list[Any]  # _Draft.items
+    plain: list[bool]  # per item: _plain(item), so that `==` against it is an exact match
+    hashes: list[str]  # _Draft.hashes
+    rendered_tail: str  # _Draft.rendered_tail
+    assistant: Any = None  # the normalized assistant message, when the router gave it
+    assistant_plain: bool = False
     assistant_hash: str | None = None  # chain hash through the assistant message, when the router gave it
 
 
@@ -225,7 +248,12 @@ class TitoStore:
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> PreparedTurn:
-        """The prompt ids for the next turn of `trajectory_id`; it stays pending until record_turn."""
+        """The prompt ids for the next turn of `trajectory_id`; it stays pending until record_turn.
+
+        Per turn the work that grows with the conversation is one template render and C-speed comparisons:
+        the messages are matched against the trajectory's recorded path (so only the new ones are hashed),
+        and the render is checked against the path's recorded render; only the new suffix is tokenized.
+        """
         with self._lock:
             session = self._session(sid)
             _check_trajectory_id(trajectory_id)
@@ -240,16 +268,20 @@ class TitoStore:
             msgs = _check_messages(messages)
             tool_list = [dict(t) for t in tools] if tools else None
             kwargs = dict(template_kwargs or {})
-            chain = _chain_hashes(msgs, tool_list, kwargs)
+            own_path = session.path(traj.leaf) if traj is not None else []
+            chain, items = _chain_hashes([{"tools": tool_list, "template_kwargs": kwargs}, *msgs], own_path)
             full = self._render(msgs, True, tool_list, kwargs)
 
             report: list[dict[str, Any]] = []
-            parent = self._find_parent(session, traj, msgs, chain)
-            base: list[int] = []
-            new_ids: list[int] | None = None
+            parent = self._find_parent(session, own_path, msgs, chain)
+            prompt_ids: list[int] = []
+            rendered = 0  # the length of the parent path's render, the start of this turn's part of `full`
+            new_text = full
             if parent is not None:
-                suffix = self._suffix_text(parent, full)
-                if suffix is None:
+                path = session.path(parent.id)
+                start = _rendered_prefix(path, full)
+                suffix = None if start is None else self._suffix_text(parent, full, start)
+                if start is None or suffix is None:
                     report.append(
                         {
                             "mismatch_type": "template_not_prefix_stable",
@@ -261,28 +293,27 @@ class TitoStore:
                     logger.warning("TITO session %s: template not prefix-stable, full re-tokenization", sid)
                     parent = None
                 else:
-                    base = session.path_ids(parent.id)
-                    new_ids = self.tokenizer.encode(suffix)
-            if new_ids is None:
-                new_ids = self.tokenizer.encode(full)
-            prompt_ids = base + new_ids
+                    rendered, new_text = start, suffix
+                    for node in path:
+                        prompt_ids += node.new_prompt_ids
+                        prompt_ids += node.output_ids
+            reused = len(prompt_ids)
+            prompt_ids += self.tokenizer.encode(new_text)
             if self.debug:
                 report += _compare_ids(prompt_ids, self.tokenizer.encode(full))
 
             parent_id = parent.id if parent is not None else None
             leaf = traj.leaf if traj is not None else None
+            first = parent.num_messages + 1 if parent is not None else 0  # items[first:]: this turn's part
             prepared = PreparedTurn(
                 session_id=sid,
                 trajectory_id=trajectory_id,
                 prompt_ids=prompt_ids,
                 parent_node_id=parent_id,
-                reused_tokens=len(base),
+                reused_tokens=reused,
                 branched=parent_id != leaf and (parent_id is not None or leaf is not None),
+                draft=_Draft(len(msgs), items[first:], chain[first:], full[rendered:]),
                 mismatch_report=report,
-                prompt_hash=chain[len(msgs)],
-                num_messages=len(msgs),
-                rendered_len=len(full),
-                rendered_digest=_digest(full),
             )
             if traj is None:
                 traj = session.trajectories[trajectory_id] = _Trajectory(trajectory_id)
@@ -324,11 +355,12 @@ class TitoStore:
                 raise InvalidTurn(f"{len(versions)} token_versions for {len(out)} output_ids")
 
             parent = prepared.parent_node_id
+            draft = prepared.draft
             node = _Node(
                 id=session.next_node_id,
                 parent=parent,
-                prompt_hash=prepared.prompt_hash,
-                num_messages=prepared.num_messages,
+                prompt_hash=draft.hashes[-1],
+                num_messages=draft.num_messages,
                 prompt_token_count=len(prepared.prompt_ids),
                 new_prompt_ids=prepared.prompt_ids[prepared.reused_tokens :],
                 output_ids=out,
@@ -337,11 +369,15 @@ class TitoStore:
                 weight_version=weight_version,
                 token_versions=versions,
                 mismatch_report=list(prepared.mismatch_report),
-                rendered_len=prepared.rendered_len,
-                rendered_digest=prepared.rendered_digest,
+                items=draft.items,
+                plain=[_plain(item) for item in draft.items],
+                hashes=draft.hashes,
+                rendered_tail=draft.rendered_tail,
             )
             if assistant_message is not None:
-                node.assistant_hash = _chain_step(prepared.prompt_hash, _normalize(dict(assistant_message)))
+                node.assistant = _normalize(dict(assistant_message))
+                node.assistant_plain = _plain(node.assistant)
+                node.assistant_hash = _chain_step(node.prompt_hash, node.assistant)
             session.next_node_id += 1
             session.nodes[node.id] = node
             session.by_prompt_hash.setdefault(node.prompt_hash, []).append(node.id)
@@ -435,10 +471,13 @@ class TitoStore:
             raise TemplateRenderError(str(exc)) from exc
 
     def _find_parent(
-        self, session: _Session, traj: _Trajectory | None, msgs: list[dict[str, Any]], chain: list[str]
+        self, session: _Session, own_path: list[_Node], msgs: list[dict[str, Any]], chain: list[str]
     ) -> _Node | None:
-        """The deepest recorded turn whose prompt messages + its assistant reply are a prefix of `msgs`."""
-        own_path = {n.id for n in session.path(traj.leaf)} if traj is not None else set()
+        """The deepest recorded turn whose prompt messages + its assistant reply are a prefix of `msgs`.
+
+        `own_path` is the trajectory's latest path (root -> leaf), preferred among turns with the same prompt.
+        """
+        own = {n.id for n in own_path}
         for n in range(len(msgs) - 1, 0, -1):
             if msgs[n].get("role") != "assistant":
                 continue
@@ -449,21 +488,17 @@ class TitoStore:
             ]
             if candidates:
                 # Two turns may share a prompt (samples of one prompt); prefer this trajectory's own, then the newest.
-                return max(candidates, key=lambda node: (node.id in own_path, node.id))
+                return max(candidates, key=lambda node: (node.id in own, node.id))
         return None
 
-    def _suffix_text(self, parent: _Node, full: str) -> str | None:
+    def _suffix_text(self, parent: _Node, full: str, start: int) -> str | None:
         """The text of `full` after what the model sampled in `parent`; None when the template is not prefix-stable.
 
-        The conversation up to `parent`'s reply must still render exactly as it did when `parent` was prompted
-        (checked by length and digest, so the history is rendered once per turn, not again). The reply starts
-        there; ChatML renders it as `...<|im_end|>\\n` while the model stops after `<|im_end|>`: the suffix starts
-        right after the end-of-turn text when the output ended with it, and at the end-of-turn text when it did
-        not (a length cut), so that the template's own closing is still added.
+        `full[:start]` is the render `parent` was prompted with (see _rendered_prefix). The reply starts there;
+        ChatML renders it as `...<|im_end|>\\n` while the model stops after `<|im_end|>`: the suffix starts right
+        after the end-of-turn text when the output ended with it, and at the end-of-turn text when it did not (a
+        length cut), so that the template's own closing is still added.
         """
-        start = parent.rendered_len
-        if len(full) < start or _digest(full[:start]) != parent.rendered_digest:
-            return None
         best, eot = -1, ""
         for text in self._eot_texts:
             pos = full.find(text, start)
@@ -511,9 +546,13 @@ def _check_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any
         raise InvalidTurn("messages must be a non-empty list")
     out = []
     for i, message in enumerate(messages):
-        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+        # dicts are used as they are (the template's sandbox cannot change them, and the store keeps normalized
+        # copies), other mappings are copied into dicts
+        if type(message) is not dict and isinstance(message, Mapping):
+            message = dict(message)
+        if type(message) is not dict or not isinstance(message.get("role"), str):
             raise InvalidTurn(f"message {i} must be a dict with a string `role`")
-        out.append(dict(message))
+        out.append(message)
     return out
 
 
@@ -526,25 +565,101 @@ def _normalize(value: Any) -> Any:
     return value
 
 
-def _digest(text: str) -> bytes:
-    return hashlib.blake2b(text.encode(), digest_size=16).digest()
-
-
 def _chain_step(previous: str, message: Any) -> str:
     if isinstance(message, dict) and all(isinstance(v, str) for v in message.values()):
         # The common message (role + text content): skip JSON's escaping, which dominated long histories.
-        text = "\x1e".join(f"{k}\x1f{v}" for k, v in sorted(message.items()))
+        # Lengths first, so that no text can pass for another split into other keys and values.
+        text = "".join(f"{len(k)}\x1f{k}{len(v)}\x1f{v}" for k, v in sorted(message.items()))
     else:
         text = "\x1d" + json.dumps(message, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
     return hashlib.sha256(previous.encode() + b"\x00" + text.encode()).hexdigest()
 
 
-def _chain_hashes(msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> list[str]:
-    """chain[i] identifies msgs[:i] under these tools and template kwargs (which change every render)."""
-    chain = [_chain_step("", _normalize({"tools": tools, "template_kwargs": kwargs}))]
-    for message in msgs:
-        chain.append(_chain_step(chain[-1], _normalize(message)))
-    return chain
+def _chain_hashes(items: list[Any], recorded: list[_Node]) -> tuple[list[str], list[Any]]:
+    """(chain, normalized items) of the items [header, *messages], the header being the tools and template kwargs.
+
+    chain[i] is the hash after items[i]: chain[0] identifies the header (it changes every render) and chain[i]
+    the messages before index i under it. The items are matched one by one against `recorded` (a path root ->
+    leaf, followed by the leaf's assistant reply when record_turn got it): as long as they match (_same: the item
+    normalizes to exactly what was recorded, so hashing it again would give the recorded hash), their recorded
+    hashes and normalized forms are taken as they are. Only the items after the first difference (normally just
+    this turn's new messages) are normalized and hashed.
+    """
+    chain: list[str] = []
+    normals: list[Any] = []
+    if recorded:
+        for item, (stored, plain, hashed) in zip(items, _recorded_items(recorded)):
+            if not _same(item, stored, plain):
+                break
+            normals.append(stored)
+            chain.append(hashed)
+    for item in items[len(normals) :]:
+        normals.append(_normalize(item))
+        chain.append(_chain_step(chain[-1] if chain else "", normals[-1]))
+    return chain, normals
+
+
+def _recorded_items(path: list[_Node]) -> Iterator[tuple[Any, bool, str]]:
+    """(normalized item, plain, chain hash after it) along `path`, then its leaf's assistant reply if known."""
+    for node in path:
+        yield from zip(node.items, node.plain, node.hashes)
+    leaf = path[-1]
+    if leaf.assistant_hash is not None:
+        yield leaf.assistant, leaf.assistant_plain, leaf.assistant_hash
+
+
+def _same(item: Any, stored: Any, plain: bool) -> bool:
+    """Whether `item` normalizes to exactly `stored` (a normalized item), so to the same chain hash.
+
+    `==` runs at C speed but is not exact where numbers are involved (1 == 1.0 == True and 0.0 == -0.0, which
+    JSON, the hash and the template tell apart); `plain` (see _plain) says `stored` holds none, and then it is.
+    Otherwise _identical decides. A False for equal items only costs a hash: the chain stays exact.
+    """
+    if item == stored:
+        return plain or _identical(item, stored)
+    normal = _normalize(item)
+    return normal == stored and (plain or _identical(normal, stored))
+
+
+def _plain(value: Any) -> bool:
+    """Only dicts and lists of strings (and None in lists): `==` against it is exact for JSON-like values."""
+    if type(value) is dict:
+        return all(map(_plain, value.values()))
+    if type(value) is list:
+        return all(map(_plain, value))
+    return type(value) is str or value is None
+
+
+def _identical(a: Any, b: Any) -> bool:
+    """Equal, with the same JSON types all the way down (floats by their repr, as JSON writes them).
+
+    Anything else (another type) is not identical: the caller hashes it instead.
+    """
+    kind = type(a)
+    if kind is not type(b):
+        return False
+    if kind is dict:
+        return a.keys() == b.keys() and all(_identical(v, b[k]) for k, v in a.items())
+    if kind is list:
+        return len(a) == len(b) and all(map(_identical, a, b))
+    if kind is float:
+        return repr(a) == repr(b)
+    return kind in (str, int, bool, type(None)) and a == b
+
+
+def _rendered_prefix(path: list[_Node], full: str) -> int | None:
+    """The length of the render the last turn of `path` was prompted with, if `full` starts with it (else None).
+
+    That render is the concatenation of the path's rendered tails: comparing each one in place (no copy, no
+    hashing) checks that the conversation so far still renders exactly as it did. A template that renders
+    earlier turns differently once messages are added (not prefix-stable) fails here.
+    """
+    start = 0
+    for node in path:
+        if not full.startswith(node.rendered_tail, start):
+            return None
+        start += len(node.rendered_tail)
+    return start
 
 
 def _ancestors(session: _Session, node_id: int | None) -> set[int]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -280,6 +282,129 @@ def test_same_prompt_on_two_trajectories_follows_each_ones_own_output(tok: Token
     for tid, text in ((0, "Hi."), (1, "Hello there.")):
         prepared = store.prepare_turn(sid, tid, [*first, assistant(text), user("And?")])
         assert prepared.parent_node_id == tid and not prepared.branched
+
+
+# --- matching the history to the recorded path --------------------------------------------------------------
+#
+# prepare_turn takes the chain hashes of the messages that match the trajectory's recorded path from the path
+# (only the rest is hashed) and checks the history's render against the path's recorded render tails. A match
+# must mean exactly what hashing again would say, or a changed message could reuse a node recorded for another.
+
+
+NUMBERS_CALL = ("read_file", {"path": "/testbed/a.py", "limit": 1, "offset": 0.0})
+
+
+def two_turns_with_replies(store: TitoStore, tok: Tokenizer, sid: str) -> list[dict[str, Any]]:
+    """Two recorded turns (node 0, node 1) with their assistant messages given to record_turn; node 1's reply is a
+    tool call whose arguments hold numbers. Returns the history with both replies."""
+    script = [
+        ([{"role": "system", "content": "You are a helpful assistant."}, user("Hello! How are you today?")],
+         assistant("I am fine, thank you.")),
+        ([user("Please read the file.")], assistant("Reading it.", NUMBERS_CALL)),
+    ]  # fmt: skip
+    messages: list[dict[str, Any]] = []
+    for added, reply in script:
+        messages += added
+        prepared = store.prepare_turn(sid, 0, messages)
+        record(store, sid, 0, prepared, exact_output(tok, messages, reply), assistant_message=reply)
+        messages.append(reply)
+    return messages
+
+
+def _arguments(message: dict[str, Any]) -> dict[str, Any]:
+    args: dict[str, Any] = message["tool_calls"][0]["function"]["arguments"]
+    return args
+
+
+@pytest.mark.parametrize(
+    ("edit", "parent"),
+    [
+        pytest.param(lambda m: None, 1, id="unchanged"),
+        pytest.param(lambda m: m[1].update(content="Hello! How are you tonight?"), None, id="first-user-text"),
+        pytest.param(lambda m: m[3].update(name="bob"), 0, id="added-field"),
+        pytest.param(lambda m: m[3].update(name=None), 1, id="added-None-field-is-the-same"),
+        pytest.param(lambda m: m[2].update(content="I am fine."), None, id="earlier-reply-text"),
+        pytest.param(lambda m: m[4].update(name=None), 1, id="reply-with-a-None-field-is-the-same"),
+        pytest.param(lambda m: _arguments(m[4]).update(limit=True), 0, id="reply-int-to-bool"),
+        pytest.param(
+            lambda m: (m[4].update(name=None), _arguments(m[4]).update(limit=True)),
+            0,
+            id="reply-None-field-int-to-bool",
+        ),
+        pytest.param(lambda m: _arguments(m[4]).update(limit=1.0), 0, id="reply-int-to-float"),
+        pytest.param(lambda m: _arguments(m[4]).update(offset=-0.0), 0, id="reply-float-sign"),
+        pytest.param(lambda m: _arguments(m[4]).update(limit=2), 0, id="reply-other-int"),
+    ],
+)
+def test_a_resent_message_with_a_changed_field_does_not_reuse_its_node(
+    tok: Tokenizer, edit: Any, parent: int | None
+) -> None:
+    store = TitoStore(tok, debug=True)
+    sid = store.create_session()
+    history = copy.deepcopy(two_turns_with_replies(store, tok, sid))
+    edit(history)
+    messages = [*history, tool("def add(a, b):\n    return a + b")]
+    prepared = store.prepare_turn(sid, 0, messages)
+    assert prepared.parent_node_id == parent
+    assert prepared.branched == (parent != 1)
+    assert prepared.prompt_ids == tok.encode(tok.apply_chat_template(messages))
+    assert prepared.mismatch_report == []
+    # The chain matched against the recorded path is the one hashing every message again gives (a trajectory
+    # without a recorded path hashes them all).
+    fresh = store.prepare_turn(sid, 1, messages)
+    assert fresh.parent_node_id == parent
+    assert fresh.draft.hashes[-1] == prepared.draft.hashes[-1]
+
+
+def test_the_tools_and_template_kwargs_are_part_of_the_history(tok: Tokenizer) -> None:
+    strict = [{**TOOLS[0], "strict": True, "max_calls": 3}]  # not only strings: compared type by type
+    for tools in (TOOLS, strict):
+        store = TitoStore(tok, debug=True)
+        sid = store.create_session()
+        first = [user("Hello!")]
+        p1 = store.prepare_turn(sid, 0, first, tools=tools)
+        out = exact_output(tok, first, assistant("Hi."), tools=tools)
+        record(store, sid, 0, p1, out)
+        messages = [*first, assistant("Hi."), user("And?")]
+        for changed, kwargs in (({**tools[0], "type": "other"}, {}), (tools[0], {"enable_thinking": True})):
+            other = store.prepare_turn(sid, 0, messages, tools=[changed], template_kwargs=kwargs)
+            assert other.parent_node_id is None and other.reused_tokens == 0
+            store.abandon_turn(sid, 0)
+        if tools is strict:
+            retyped = [{**tools[0], "max_calls": 3.0}]
+            assert store.prepare_turn(sid, 0, messages, tools=retyped).parent_node_id is None
+            store.abandon_turn(sid, 0)
+        same = store.prepare_turn(sid, 0, messages, tools=copy.deepcopy(tools))
+        assert same.parent_node_id == 0 and same.reused_tokens == len(p1.prompt_ids) + len(out)
+        assert same.prompt_ids == tok.encode(tok.apply_chat_template(messages, tools=tools))
+        assert same.mismatch_report == []
+
+
+def test_mappings_that_are_not_dicts_match_the_recorded_path(tok: Tokenizer) -> None:
+    store = TitoStore(tok, debug=True)
+    sid = store.create_session()
+    messages = three_turns(store, tok, sid)
+    proxied = [MappingProxyType(m) for m in [*messages, user("Next?")]]
+    prepared = store.prepare_turn(sid, 0, proxied)
+    assert prepared.parent_node_id == 2 and not prepared.branched
+    assert prepared.prompt_ids == tok.encode(tok.apply_chat_template([dict(m) for m in proxied]))
+
+
+def test_a_session_keeps_each_message_and_render_once_along_a_path(tok: Tokenizer) -> None:
+    # Each node keeps only what its turn added (messages, hashes, render tail): linear in the conversation.
+    store = TitoStore(tok)
+    sid = store.create_session()
+    messages: list[dict[str, Any]] = []
+    for added, reply in turn_script():
+        messages += added
+        prepared = store.prepare_turn(sid, 0, messages, tools=TOOLS)
+        record(store, sid, 0, prepared, exact_output(tok, messages, reply, tools=TOOLS))
+        last = messages.copy()
+        messages.append(reply)
+    nodes = list(store._sessions[sid].nodes.values())
+    assert sum(len(n.items) for n in nodes) == 1 + len(last)  # the header (tools, kwargs) + each message once
+    assert sum(len(n.hashes) for n in nodes) == 1 + len(last)
+    assert "".join(n.rendered_tail for n in nodes) == tok.apply_chat_template(last, tools=TOOLS)
 
 
 # --- debug validator -----------------------------------------------------------------------------------------
