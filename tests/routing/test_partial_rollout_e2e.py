@@ -71,7 +71,8 @@ def test_interrupted_request_finishes_elsewhere_with_identical_tokens(fleet) -> 
     t.start()
     _wait_for(lambda: _running(a.url) + _running(b.url) > 0)
     source = a if _running(a.url) else b
-    source_id = "0" if source is a else "1"
+    # worker ids follow the order registrations complete, not --worker-urls: look the id up by URL
+    [source_id] = [w["id"] for w in httpx.get(f"{router.url}/workers").json()["workers"] if w["url"] == source.url]
     time.sleep(0.3)  # let it decode a while
     # Take the source out of rotation, then interrupt the request there (what a weight sync does).
     httpx.post(f"{router.url}/workers/pause", json=[{"base_worker_id": source_id}])
