@@ -37,7 +37,7 @@ class UnpinKvResponse(_message.Message):
     def __init__(self, unpinned: _Optional[bool] = ...) -> None: ...
 
 class TransferKvRequest(_message.Message):
-    __slots__ = ("request_id", "data_parallel_rank", "token_ids", "max_tokens", "channel", "layout_json", "allow_prefix_cache", "keep_pin")
+    __slots__ = ("request_id", "data_parallel_rank", "token_ids", "max_tokens", "channel", "layout_json", "allow_prefix_cache", "keep_pin", "start_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class TransferKvRequest(_message.Message):
     LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
     ALLOW_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     KEEP_PIN_FIELD_NUMBER: _ClassVar[int]
+    START_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     data_parallel_rank: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -54,23 +55,26 @@ class TransferKvRequest(_message.Message):
     layout_json: str
     allow_prefix_cache: bool
     keep_pin: bool
-    def __init__(self, request_id: _Optional[str] = ..., data_parallel_rank: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., channel: _Optional[str] = ..., layout_json: _Optional[str] = ..., allow_prefix_cache: _Optional[bool] = ..., keep_pin: _Optional[bool] = ...) -> None: ...
+    start_token: int
+    def __init__(self, request_id: _Optional[str] = ..., data_parallel_rank: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., channel: _Optional[str] = ..., layout_json: _Optional[str] = ..., allow_prefix_cache: _Optional[bool] = ..., keep_pin: _Optional[bool] = ..., start_token: _Optional[int] = ...) -> None: ...
 
 class TransferKvResponse(_message.Message):
-    __slots__ = ("num_tokens", "transfer_id", "transfer_json", "source", "nbytes", "reason")
+    __slots__ = ("num_tokens", "transfer_id", "transfer_json", "source", "nbytes", "reason", "block_ids")
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_JSON_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     num_tokens: int
     transfer_id: str
     transfer_json: str
     source: str
     nbytes: int
     reason: str
-    def __init__(self, num_tokens: _Optional[int] = ..., transfer_id: _Optional[str] = ..., transfer_json: _Optional[str] = ..., source: _Optional[str] = ..., nbytes: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_tokens: _Optional[int] = ..., transfer_id: _Optional[str] = ..., transfer_json: _Optional[str] = ..., source: _Optional[str] = ..., nbytes: _Optional[int] = ..., reason: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseKvRequest(_message.Message):
     __slots__ = ("transfer_id",)

@@ -412,10 +412,8 @@ class Engine:
                 n = _common_prefix(pin.token_ids, token_ids)
                 ids = list(pin.block_ids[: blocks_for_tokens(n, block_size)])
                 source = "pin"
-            elif allow_prefix_cache and self.enable_prefix_caching:
-                hashes: list[int] = []
-                extend_block_hashes(hashes, token_ids, block_size, len(token_ids) // block_size)
-                ids = self._pool.cached_prefix(hashes)
+            elif allow_prefix_cache:
+                ids = self._cached_prefix_locked(token_ids)
                 n = len(ids) * block_size
                 source = "prefix_cache"
             else:
@@ -424,6 +422,26 @@ class Engine:
                 return None
             self._pool.touch(ids)
             return KvLease(tuple(token_ids[:n]), n, tuple(ids), source)
+
+    def lease_cached_prefix(self, token_ids: Sequence[int]) -> KvLease | None:
+        """The full blocks of `token_ids` this engine's prefix cache holds, with a reference each (released by
+        `release_blocks`, or handed to a request in a PreloadedKV): the part of a migration not to move."""
+        with self._lock:
+            ids = self._cached_prefix_locked(token_ids)
+            if not ids:
+                return None
+            self._pool.touch(ids)
+            n = len(ids) * self.cache_config.block_size
+            return KvLease(tuple(token_ids[:n]), n, tuple(ids), "prefix_cache")
+
+    def _cached_prefix_locked(self, token_ids: Sequence[int]) -> list[int]:
+        if not self.enable_prefix_caching:
+            return []
+        hashes: list[int] = []
+        extend_block_hashes(
+            hashes, token_ids, self.cache_config.block_size, len(token_ids) // self.cache_config.block_size
+        )
+        return self._pool.cached_prefix(hashes)
 
     def adopt_pin(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> PreloadedKV | None:
         """A request looped back to this engine takes over the pinned KV of its previous iteration without a

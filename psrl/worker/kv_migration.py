@@ -1,11 +1,12 @@
 """KV migration between reference replicas: the source's `psrl.kv.KvMigration` service and the destination's
 pull of a looped-back request's KV (driven by `kv_transfer_params_json` in its GenerateRequest).
 
-The destination pulls: TransferKv asks the source to gather the KV of the longest prefix of the destination's
-prompt that it holds (the request's pin from the sync abort, or with no pin and when allowed, full blocks of
-its prefix cache) straight into a POSIX shared-memory segment; the destination reserves blocks, scatters the
-segment into them, acknowledges with ReleaseKv, and admits the request with that KV (PreloadedKV), so only
-the rest of the prompt is prefilled. Any failure (source gone, timeout, nothing held, layout mismatch, no
+The destination pulls: it keeps what its own prefix cache holds of the prompt, and TransferKv asks the source
+to gather the rest of the longest prefix of the destination's prompt that it holds (the request's pin from the
+sync abort, or with no pin and when allowed, full blocks of its prefix cache) straight into a POSIX
+shared-memory segment; the destination reserves blocks, scatters the segment into them (planned with
+psrl.kv.plan_transfer), acknowledges with ReleaseKv, and admits the request with that KV (PreloadedKV), so
+only the last prompt token is prefilled. Any failure (source gone, timeout, nothing held, layout mismatch, no
 room) falls back to recompute: slower, never wrong.
 """
 
@@ -27,7 +28,7 @@ import grpc
 
 from psrl._proto import kv_migration_pb2, kv_migration_pb2_grpc
 from psrl.engine import AsyncEngine, InvalidRequestError, PreloadedKV
-from psrl.kv import KVLayoutSpec, LayoutError, check_compatible
+from psrl.kv import KVLayoutSpec, LayoutError, check_compatible, plan_transfer
 from psrl.kv.channels import ShmChannel, ShmTransfer, shm_receive, shm_send
 
 logger = logging.getLogger(__name__)
@@ -142,15 +143,22 @@ class KvMigrationServicer(kv_migration_pb2_grpc.KvMigrationServicer):
             except (ValueError, LayoutError) as e:
                 return kv_migration_pb2.TransferKvResponse(reason=f"layout mismatch: {e}")
         tokens = list(request.token_ids)[: request.max_tokens or None]
+        start = request.start_token
+        if start % engine.engine.cache_config.block_size:
+            return kv_migration_pb2.TransferKvResponse(reason=f"start_token {start} is not block-aligned")
         lease = engine.engine.lease_kv(request.request_id, tokens, allow_prefix_cache=request.allow_prefix_cache)
         if lease is None:
             return kv_migration_pb2.TransferKvResponse(reason="no KV held here for this request's tokens")
+        if lease.num_tokens <= start:
+            engine.engine.release_blocks(lease.block_ids)
+            reason = f"the peer already holds {start} tokens; {lease.num_tokens} held here"
+            return kv_migration_pb2.TransferKvResponse(reason=reason)
         try:
             channel = await _in_thread(
                 shm_send,
                 engine.engine.kv_cache.layers,
-                list(lease.block_ids),
-                num_tokens=lease.num_tokens,
+                list(lease.block_ids[start // engine.engine.cache_config.block_size :]),
+                num_tokens=lease.num_tokens - start,
                 discard=lambda ch: ch.__exit__(None, None, None),
             )
         finally:
@@ -166,6 +174,7 @@ class KvMigrationServicer(kv_migration_pb2_grpc.KvMigrationServicer):
             transfer_json=json.dumps(channel.transfer.to_dict()),
             source=lease.source,
             nbytes=channel.transfer.nbytes,
+            block_ids=lease.block_ids,
         )
 
     async def ReleaseKv(
@@ -303,7 +312,7 @@ class KvPuller:
                 counters.fallbacks += 1
             return kv
         try:
-            kv = await asyncio.wait_for(self._pull(engine, prompt, params), params.timeout_ms / 1000.0)
+            pulled = await asyncio.wait_for(self._pull(engine, prompt, params), params.timeout_ms / 1000.0)
         except Exception as e:  # any failure (timeout, source gone, channel, no room) only costs a recompute
             logger.warning(
                 "KV pull for %s from %s failed, recomputing: %s: %s",
@@ -312,64 +321,87 @@ class KvPuller:
                 type(e).__name__,
                 e,
             )
-            kv = None
-        if kv is None:
+            pulled = None
+        if pulled is None:
             counters.fallbacks += 1
             return None
-        counters.transfers_in += 1
-        counters.tokens_in += kv.num_tokens
-        counters.bytes_in += layout_of(engine).transfer_nbytes(len(kv.block_ids))
-        counters.transfer_seconds_in += time.perf_counter() - start
+        kv, moved = pulled
+        if moved:
+            counters.transfers_in += 1
+            counters.tokens_in += moved
+            counters.bytes_in += layout_of(engine).transfer_nbytes(-(-moved // engine.engine.cache_config.block_size))
+            counters.transfer_seconds_in += time.perf_counter() - start
         return kv
 
-    async def _pull(self, engine: AsyncEngine, prompt: Sequence[int], params: KvTransferParams) -> PreloadedKV | None:
-        stub = self._stub(params.source_target)
+    async def _pull(
+        self, engine: AsyncEngine, prompt: Sequence[int], params: KvTransferParams
+    ) -> tuple[PreloadedKV, int] | None:
+        """(the request's KV, tokens moved in) or None when the source has nothing for it."""
         limit = len(prompt) - 1  # the last prompt token is always computed here (its logits are needed)
         want = min(params.num_tokens, limit) if params.num_tokens else limit
         if want <= 0:
             return None
-        reply = await stub.TransferKv(
-            kv_migration_pb2.TransferKvRequest(
-                request_id=params.request_id,
-                data_parallel_rank=params.source_dp_rank,
-                token_ids=prompt,
-                max_tokens=want,
-                channel="shm",
-                layout_json=json.dumps(layout_of(engine).to_dict()),
-                allow_prefix_cache=params.mode != "pin_sync",
-                keep_pin=False,
+        # What this engine's prefix cache already holds of the prompt (e.g. the prompt a group of samples
+        # shares) is not moved: only [start, n) comes over.
+        local = engine.engine.lease_cached_prefix(prompt[:want])
+        held = list(local.block_ids) if local is not None else []
+        start = local.num_tokens if local is not None else 0
+        stub = self._stub(params.source_target)
+        if start >= want:
+            self._background(
+                stub.UnpinKv,
+                kv_migration_pb2.UnpinKvRequest(request_id=params.request_id, data_parallel_rank=params.source_dp_rank),
             )
-        )
-        if reply.num_tokens == 0:
-            logger.info("KV pull for %s: nothing to move (%s)", params.request_id, reply.reason)
-            return None
-        if reply.num_tokens > want:
-            self._release(stub, reply.transfer_id)
-            raise ValueError(f"the source offered {reply.num_tokens} tokens of KV, more than the {want} asked for")
-        ids: list[int] = []
+            return PreloadedKV(tuple(held), start), 0
+        reserved: list[int] = []
+        transfer_id = ""
         try:
-            ids = engine.engine.reserve_blocks(reply.num_tokens)
+            reply = await stub.TransferKv(
+                kv_migration_pb2.TransferKvRequest(
+                    request_id=params.request_id,
+                    data_parallel_rank=params.source_dp_rank,
+                    token_ids=prompt,
+                    max_tokens=want,
+                    channel="shm",
+                    layout_json=json.dumps(layout_of(engine).to_dict()),
+                    allow_prefix_cache=params.mode != "pin_sync",
+                    keep_pin=False,
+                    start_token=start,
+                )
+            )
+            transfer_id = reply.transfer_id
+            if reply.num_tokens == 0:
+                logger.info("KV pull for %s: nothing to move (%s)", params.request_id, reply.reason)
+                engine.engine.release_blocks(held)
+                return None
+            n = reply.num_tokens
+            if not start < n <= want:
+                raise ValueError(f"the source offered KV up to token {n}; asked for ({start}, {want}]")
+            reserved = engine.engine.reserve_blocks(n - start)
+            table = held + reserved
+            block_size = engine.engine.cache_config.block_size
+            plan = plan_transfer(list(reply.block_ids), table, num_tokens=n, block_size=block_size, start=start)
             transfer = ShmTransfer.from_dict(json.loads(reply.transfer_json))
-            await _in_thread(shm_receive, transfer, engine.engine.kv_cache.layers, ids)
+            await _in_thread(shm_receive, transfer, engine.engine.kv_cache.layers, plan.dst_block_ids)
         except BaseException:
-            if ids:
-                engine.engine.release_blocks(ids)
-            self._release(stub, reply.transfer_id)
+            engine.engine.release_blocks(held + reserved)
             raise
-        self._release(stub, reply.transfer_id)
-        return PreloadedKV(tuple(ids), reply.num_tokens)
+        finally:
+            if transfer_id:
+                self._background(stub.ReleaseKv, kv_migration_pb2.ReleaseKvRequest(transfer_id=transfer_id))
+        return PreloadedKV(tuple(table), n), n - start
 
-    def _release(self, stub: kv_migration_pb2_grpc.KvMigrationStub, transfer_id: str) -> None:
-        """Acknowledge in the background: the request need not wait for the source to tear its segment down
-        (an acknowledgement that never arrives is covered by the source's UNACKED_TRANSFER_TTL_S)."""
+    def _background(self, rpc: Any, request: Any) -> None:
+        """Send an acknowledgement (ReleaseKv, UnpinKv) without waiting: the request need not wait for the
+        source's teardown, and one that never arrives is covered by the source's TTLs."""
 
-        async def release() -> None:
+        async def send() -> None:
             try:
-                await stub.ReleaseKv(kv_migration_pb2.ReleaseKvRequest(transfer_id=transfer_id), timeout=10)
+                await rpc(request, timeout=10)
             except grpc.RpcError as e:
-                logger.info("ReleaseKv %s failed (the source frees it on its own): %s", transfer_id, e)
+                logger.info("%s to the KV source failed (it frees the KV on its own): %s", type(request).__name__, e)
 
-        task = asyncio.create_task(release())
+        task = asyncio.create_task(send())
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 

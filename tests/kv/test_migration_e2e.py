@@ -37,6 +37,13 @@ def _busy(p: Proc) -> int:
     return sum(e.num_running_reqs + e.num_waiting_reqs for e in loads.loads)
 
 
+def _flush(*procs: Proc) -> None:
+    """Empty the replicas' prefix caches (the reference run left the same tokens there)."""
+    for p in procs:
+        with grpc.insecure_channel(_target(p)) as ch:
+            vllm_engine_pb2_grpc.VllmEngineStub(ch).FlushCache(common_pb2.FlushCacheRequest(), timeout=10)
+
+
 def _control(p: Proc) -> replica_control_pb2_grpc.ReplicaControlStub:
     return replica_control_pb2_grpc.ReplicaControlStub(grpc.insecure_channel(_target(p)))
 
@@ -118,6 +125,7 @@ def reference(fleet) -> dict:
 
 def test_migrated_mid_decode_continues_exactly_without_prefill(fleet, reference) -> None:
     router, a, b = fleet
+    _flush(a, b)  # everything moves (a prefix the destination holds already would not)
     before = {p.url: _stats(p) for p in (a, b)}
     r, dest = _interrupted(router, a, b, "mig-1", 2, 2000)
     assert r.status_code == 200, r.text
@@ -155,6 +163,7 @@ def test_async_and_pin_sync_modes_move_the_kv_too(fleet, mode: str, log_dir) -> 
     )
     try:
         reference = _generate(router, f"ref-{mode}", 2000, 10).json()
+        _flush(a, b)
         before = {p.url: _stats(p) for p in (a, b)}
         r, dest = _interrupted(router, a, b, f"mig-{mode}", 11, 2000)
         assert r.status_code == 200, r.text
@@ -203,9 +212,7 @@ def test_back_on_its_own_replica_the_request_adopts_its_pinned_kv(model_dir, log
 # Last: it kills one of the module's replicas.
 def test_source_killed_before_the_transfer_recomputes_exactly(fleet, reference, model_dir, log_dir) -> None:
     router, a, b = fleet
-    for p in (a, b):  # so the recompute cannot hit earlier tests' identical tokens in the prefix cache
-        with grpc.insecure_channel(_target(p)) as ch:
-            vllm_engine_pb2_grpc.VllmEngineStub(ch).FlushCache(common_pb2.FlushCacheRequest(), timeout=10)
+    _flush(a, b)  # so the recompute cannot hit earlier tests' identical tokens in the prefix cache
     before = {p.url: _stats(p) for p in (a, b)}
 
     def kill(source: Proc) -> None:

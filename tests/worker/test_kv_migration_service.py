@@ -123,3 +123,35 @@ def test_segments_of_dead_processes_are_removed(tmp_path) -> None:
     (tmp_path / "other-segment").write_bytes(b"x")
     assert remove_stale_segments(tmp_path) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other-segment", f"psrl-kv-{os.getpid()}-{'b' * 32}"]
+
+
+async def test_what_the_destination_holds_already_is_not_moved(source) -> None:
+    target, servicer = source
+    src = servicer.engines[0]
+    prompt = list(range(1, 70))  # 69 tokens: 68 to have, 4 full blocks + 4 tokens
+    stream = src.generate("r", prompt, SamplingOptions(temperature=0.0, max_tokens=50, ignore_eos=True))
+    await stream.__anext__()
+    async with grpc.aio.insecure_channel(target) as ch:
+        await pb_grpc.KvMigrationStub(ch).PinKv(pb.PinKvRequest(request_id="r", ttl_ms=10_000))
+    await src.abort("r")
+    dest = _engine()
+    warm = dest.generate("w", prompt[:40], SamplingOptions(temperature=0.0, max_tokens=1))
+    async for _ in warm:  # the destination's prefix cache now holds the first 2 full blocks (32 tokens)
+        pass
+    puller = KvPuller(servicer.counters, "127.0.0.1:1")
+    try:
+        kv = await puller.pull(dest, 0, prompt, KvTransferParams(target, 0, "r", 0, "sync", 5000))
+        assert kv is not None and kv.num_tokens == 68 and len(kv.block_ids) == 5
+        assert servicer.counters[0].tokens_in == 68 - 32  # only [32, 68) came over
+        # the KV it got equals the source's for every moved and held position
+        src_layers, dst_layers = src.engine.kv_cache.layers, dest.engine.kv_cache.layers
+        lease = src.engine.lease_kv("r", prompt, allow_prefix_cache=False)
+        for pos in (0, 31, 32, 50, 67):
+            s_block, d_block = lease.block_ids[pos // 16], kv.block_ids[pos // 16]
+            for s_layer, d_layer in zip(src_layers, dst_layers):
+                assert (s_layer[:, s_block, pos % 16] == d_layer[:, d_block, pos % 16]).all()
+        src.engine.release_blocks(lease.block_ids)
+        dest.engine.release_blocks(kv.block_ids)
+    finally:
+        await puller.close()
+        dest.shutdown()
