@@ -33,7 +33,8 @@ def _text_of(content: Any, where: str) -> str:
         raise ApiShapeError(f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
     out = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str) or kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
             raise ApiShapeError(
                 f"{where}.content[{j}] must be a text part (input_text or output_text); this model takes text only",
                 param=f"{where}.content",
@@ -53,9 +54,11 @@ def _input_messages(items: Any) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise ApiShapeError(f"{where} must be an object", param=where)
         kind = item.get("type", "message")
+        if not isinstance(kind, str):
+            raise ApiShapeError(f"{where}.type must be a string", param=f"{where}.type")
         if kind == "message":
             role = item.get("role")
-            if role not in _MESSAGE_ROLES:
+            if not isinstance(role, str) or role not in _MESSAGE_ROLES:
                 raise ApiShapeError(f"{where}.role must be one of {sorted(_MESSAGE_ROLES)}", param=f"{where}.role")
             messages.append({"role": role, "content": _text_of(item.get("content"), where)})
         elif kind == "function_call":

@@ -478,10 +478,16 @@ class RouterApp:
         await self.tito.delete(request.path_params["session_id"])
         return Response(b"", 204)
 
+    def _parse_output(self, chat: P.ChatRequest, tok: Tokenizer, gen: Generation) -> ParsedOutput:
+        out_text = tok.decode(gen.output_ids, skip_special_tokens=chat.sampling.skip_special_tokens)
+        # Tool calls are parsed out only when the request offered tools, as vLLM does with a parser enabled.
+        return self.tool_parser.parse(out_text) if chat.tools else ParsedOutput(out_text or None)
+
     async def _tito_chat(
         self, turn: tuple[str, int], chat: P.ChatRequest, model: str, meta: RoutingMeta, rid: str, tok: Tokenizer
-    ) -> tuple[Ticket, Generation]:
-        """A TITO turn: incrementally tokenized prompt, log-probs forced on, and the sampled ids recorded."""
+    ) -> tuple[Ticket, Generation, ParsedOutput]:
+        """A TITO turn: incrementally tokenized prompt, log-probs forced on, and the sampled ids recorded with
+        the reply the agent gets (a later turn continues this one only if it echoes that reply)."""
         if chat.stream:
             raise BadRequest(
                 "TITO turns are not streamed upstream; send stream=false (the SessionRouter "
@@ -501,6 +507,7 @@ class RouterApp:
             await self.tito.abandon(prepared)
             raise
         last = rollout.ticket or ticket
+        output = self._parse_output(chat, tok, gen)
         await self.tito.record(
             prepared,
             output_ids=gen.output_ids,
@@ -509,8 +516,9 @@ class RouterApp:
             weight_version=last.instance.weight_version,
             token_versions=rollout.state.token_versions,
             instance=(last.instance.id.base_worker_id, last.instance.id.dp_rank),
+            assistant_message={"role": "assistant", "content": output.content, "tool_calls": output.tool_calls},
         )
-        return ticket, gen
+        return ticket, gen, output
 
     # ---- data plane -----------------------------------------------------------------------------------
 
@@ -551,15 +559,13 @@ class RouterApp:
         tok = await self.tokenizers.get(model)
         created = int(time.time())
         if turn is not None:
-            ticket, gen = await self._tito_chat(turn, chat, model, meta, rid, tok)
+            ticket, gen, output = await self._tito_chat(turn, chat, model, meta, rid, tok)
         else:
             prompt = await chat_prompt_ids(chat, tok)
             rollout = Rollout(self.dispatcher, model, meta, GenerationInput(rid, model, prompt, chat.sampling, False))
             ticket = await rollout.start()
             gen = await rollout.collect()
-        out_text = tok.decode(gen.output_ids, skip_special_tokens=chat.sampling.skip_special_tokens)
-        # Tool calls are parsed out only when the request offered tools, as vLLM does with a parser enabled.
-        output = self.tool_parser.parse(out_text) if chat.tools else ParsedOutput(out_text or None)
+            output = self._parse_output(chat, tok, gen)
         logprobs = R.chat_logprobs(tok, gen.output_ids, gen.logprobs, gen.top_logprobs) if chat.logprobs else None
         out = R.chat_completion(request_id=rid, created=created, model=model, output=output, gen=gen, logprobs=logprobs)
         return ticket, out

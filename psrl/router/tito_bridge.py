@@ -150,6 +150,7 @@ class TitoBridge:
         weight_version: int,
         token_versions: list[int],
         instance: tuple[str, int],
+        assistant_message: dict[str, Any],
     ) -> None:
         store = await self.store()
         try:
@@ -162,6 +163,7 @@ class TitoBridge:
                 finish_reason=finish_reason,
                 weight_version=weight_version,
                 token_versions=token_versions,
+                assistant_message=assistant_message,
             )
         except TitoError as e:
             raise as_router_error(e) from e

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -340,12 +340,14 @@ def create_app(config: SessionConfig, *, transport: httpx.AsyncBaseTransport | N
         sr.state(sid)
         return {"input_tokens": 0}
 
-    for api_path in TURN_APIS:
-
-        async def api_turn(sid: str, request: Request, path: str = api_path) -> Response:
+    def turn_route(path: str) -> Callable[[str, Request], Awaitable[Response]]:
+        async def api_turn(sid: str, request: Request) -> Response:
             return await sr.api_turn(sid, path, request)
 
-        app.add_api_route(f"/sessions/{{sid}}/{api_path}", api_turn, methods=["POST"])
+        return api_turn
+
+    for api_path in TURN_APIS:
+        app.add_api_route(f"/sessions/{{sid}}/{api_path}", turn_route(api_path), methods=["POST"])
 
     @app.get("/control/sessions")
     async def control_sessions(request: Request) -> dict[str, Any]:

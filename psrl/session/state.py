@@ -91,7 +91,11 @@ class SessionState:
     def turn_lock(self, request_headers: Mapping[str, str], strategy: TrajectoryStrategy) -> asyncio.Lock:
         """Turns of one trajectory run one at a time, in arrival order: TITO records a trajectory as a chain of
         turns, so an agent that fires its next turn before the last one answered waits instead of failing."""
-        key = None if strategy == "auto" else (request_headers.get(TRAJECTORY_HEADER) or "0")
+        key: str | None = None
+        if strategy == "manual":
+            key = (request_headers.get(TRAJECTORY_HEADER) or "0").strip()
+            if key.isdigit():
+                key = str(int(key))  # "01" and "1" are one trajectory to the router
         return self.turn_locks.setdefault(key, asyncio.Lock())
 
     def begin_turn(self) -> None:

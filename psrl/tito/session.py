@@ -136,6 +136,9 @@ class _Node:
     assistant: Any = None  # the normalized assistant message, when the router gave it
     assistant_plain: bool = False
     assistant_hash: str | None = None  # chain hash through the assistant message, when the router gave it
+    # What a later turn's echo of the reply must match for this node to be its parent (see _reply_signature);
+    # None: the router gave no assistant message, so any echo is taken as this reply.
+    reply_signature: tuple[str, tuple[tuple[str, str], ...]] | None = None
 
 
 @dataclass(eq=False)
@@ -280,7 +283,8 @@ class TitoStore:
             if parent is not None:
                 path = session.path(parent.id)
                 start = _rendered_prefix(path, full)
-                suffix = None if start is None else self._suffix_text(parent, full, start)
+                reply = msgs[parent.num_messages]
+                suffix = None if start is None else self._suffix_text(parent, full, start, reply)
                 if start is None or suffix is None:
                     report.append(
                         {
@@ -378,6 +382,7 @@ class TitoStore:
                 node.assistant = _normalize(dict(assistant_message))
                 node.assistant_plain = _plain(node.assistant)
                 node.assistant_hash = _chain_step(node.prompt_hash, node.assistant)
+                node.reply_signature = _reply_signature(assistant_message)
             session.next_node_id += 1
             session.nodes[node.id] = node
             session.by_prompt_hash.setdefault(node.prompt_hash, []).append(node.id)
@@ -481,24 +486,30 @@ class TitoStore:
         for n in range(len(msgs) - 1, 0, -1):
             if msgs[n].get("role") != "assistant":
                 continue
+            echoed = _reply_signature(msgs[n])
             candidates = [
                 session.nodes[i]
                 for i in session.by_prompt_hash.get(chain[n], ())
-                if session.nodes[i].assistant_hash in (None, chain[n + 1])
+                if session.nodes[i].reply_signature in (None, echoed)
             ]
             if candidates:
                 # Two turns may share a prompt (samples of one prompt); prefer this trajectory's own, then the newest.
                 return max(candidates, key=lambda node: (node.id in own, node.id))
         return None
 
-    def _suffix_text(self, parent: _Node, full: str, start: int) -> str | None:
+    def _suffix_text(self, parent: _Node, full: str, start: int, reply: Mapping[str, Any]) -> str | None:
         """The text of `full` after what the model sampled in `parent`; None when the template is not prefix-stable.
 
         `full[:start]` is the render `parent` was prompted with (see _rendered_prefix). The reply starts there;
         ChatML renders it as `...<|im_end|>\\n` while the model stops after `<|im_end|>`: the suffix starts right
         after the end-of-turn text when the output ended with it, and at the end-of-turn text when it did not (a
-        length cut), so that the template's own closing is still added.
+        length cut), so that the template's own closing is still added. A reply whose text the template renders
+        as is is skipped first, so an end-of-turn text inside it (a model explaining ChatML) is not taken for
+        the end.
         """
+        content = reply.get("content")
+        if isinstance(content, str) and content and full.startswith(content, start):
+            start += len(content)
         best, eot = -1, ""
         for text in self._eot_texts:
             pos = full.find(text, start)
@@ -597,6 +608,31 @@ def _chain_hashes(items: list[Any], recorded: list[_Node]) -> tuple[list[str], l
         normals.append(_normalize(item))
         chain.append(_chain_step(chain[-1] if chain else "", normals[-1]))
     return chain, normals
+
+
+def _reply_signature(message: Mapping[str, Any]) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """What of an assistant reply the model sampled: its text (stripped, as the router's parser reports it) and
+    its tool calls' names and arguments (as canonical JSON, so an agent or an API conversion that re-serializes
+    them still matches). Ids and reasoning are left out: the model did not sample ids, and templates drop
+    reasoning. An echo that differs here is an edited reply, so the turn branches instead of reusing ids."""
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+    text = content.strip() if isinstance(content, str) else ""
+    calls: list[tuple[str, str]] = []
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping):
+            calls.append(("", json.dumps(call, sort_keys=True, default=str)))
+            continue
+        arguments = function.get("arguments")
+        try:
+            parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+            canonical = json.dumps(parsed, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        except (ValueError, TypeError):
+            canonical = str(arguments).strip()
+        calls.append((str(function.get("name")), canonical))
+    return text, tuple(calls)
 
 
 def _recorded_items(path: list[_Node]) -> Iterator[tuple[Any, bool, str]]:

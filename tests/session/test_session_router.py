@@ -267,6 +267,10 @@ async def test_errors_count_tokens_and_catch_all(client: httpx.AsyncClient, mock
     assert json.loads(body) == {"prompt": "x"}
     [entry] = (await client.get("/control/sessions")).json()["sessions"]
     assert entry["base_worker_id"] == "worker-a"
+    # a turn's API is the route's, never a query parameter
+    chats = sum(kind == "chat" for kind, _, _ in mock.calls)
+    r = await client.post(f"/sessions/{sid}/v1/chat/completions?path=generate", json=MSG)
+    assert r.status_code == 200 and sum(kind == "chat" for kind, _, _ in mock.calls) == chats + 1
 
 
 async def test_admin_key_and_unreachable_router(mock: MockRouter) -> None:

@@ -581,3 +581,56 @@ def test_a_template_that_is_not_prefix_stable_falls_back_to_a_full_tokenization(
     assert nxt.parent_node_id is None and nxt.reused_tokens == 0
     assert nxt.prompt_ids == tok.encode(tok.apply_chat_template(second))
     assert [m["mismatch_type"] for m in nxt.mismatch_report] == ["template_not_prefix_stable"]
+
+
+def test_the_echoed_reply_picks_the_turn_that_sampled_it(tok: Tokenizer) -> None:
+    """Sibling samples of one prompt, a retry, an edited reply: the echo decides which recorded ids are reused
+    (the router records each turn with the reply it returned)."""
+    store = TitoStore(tok)
+    sid = store.create_session()
+    prompt = [user("Hello there")]
+    replies = {0: "The quick brown fox.", 1: "Water boils at one hundred degrees."}
+    outs = {}
+    for tid, text in replies.items():  # two trajectories, two different samples of the same prompt
+        prepared = store.prepare_turn(sid, tid, prompt)
+        outs[tid] = exact_output(tok, prompt, assistant(text))
+        record(store, sid, tid, prepared, outs[tid], assistant_message=assistant(text))
+    follow = [user("and then?")]
+    # a third trajectory continues trajectory 0's sample: its ids, not the newest sibling's
+    prepared = store.prepare_turn(sid, 2, [*prompt, assistant(replies[0]), *follow])
+    assert prepared.parent_node_id == 0 and prepared.prompt_ids[: prepared.reused_tokens][-len(outs[0]) :] == outs[0]
+    store.abandon_turn(sid, 2)
+    # re-serialized tool-call arguments and a missing id still echo the same reply; an edited text does not
+    call_reply = assistant(None, ("search", '{"q": "fox", "n": 2}'))
+    prepared = store.prepare_turn(sid, 3, prompt)
+    out = exact_output(tok, prompt, call_reply)
+    node = record(store, sid, 3, prepared, out, assistant_message=call_reply)
+    echo = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"function": {"name": "search", "arguments": '{"n":2,"q":"fox"}'}}],
+    }
+    assert store.prepare_turn(sid, 3, [*prompt, echo, *follow]).parent_node_id == node
+    store.abandon_turn(sid, 3)
+    edited = assistant("The quick brown fox jumps.")
+    prepared = store.prepare_turn(sid, 0, [*prompt, edited, *follow])
+    assert prepared.parent_node_id is None and prepared.reused_tokens == 0  # no recorded turn sampled that
+    assert prepared.prompt_ids == tok.encode(
+        tok.apply_chat_template([*prompt, edited, *follow], add_generation_prompt=True)
+    )
+
+
+def test_an_end_of_turn_text_inside_the_reply_is_not_its_end(tok: Tokenizer) -> None:
+    store = TitoStore(tok)
+    sid = store.create_session()
+    prompt = [user("How does ChatML end a message?")]
+    text = f"Each message ends with {EOT} and a newline."
+    prepared = store.prepare_turn(sid, 0, prompt)
+    out = [*tok.encode(text), tok.token_to_id(EOT)]
+    record(store, sid, 0, prepared, out, assistant_message=assistant(text))
+    follow = [user("Thanks")]
+    prepared = store.prepare_turn(sid, 0, [*prompt, assistant(text), *follow])
+    assert prepared.parent_node_id == 0 and prepared.prompt_ids[: prepared.reused_tokens][-len(out) :] == out
+    full = tok.apply_chat_template([*prompt, assistant(text), *follow], add_generation_prompt=True)
+    suffix = full.split(f"{text}{EOT}", 1)[1]  # what follows the whole reply, not its inner end-of-turn text
+    assert tok.decode(prepared.prompt_ids[prepared.reused_tokens :], skip_special_tokens=False) == suffix

@@ -220,7 +220,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             raise BadRequest(f"messages[{i}] must be an object", param=f"messages[{i}]")
         role = m.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise BadRequest(
                 f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}",
                 param=f"messages[{i}].role",
