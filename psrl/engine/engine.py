@@ -243,6 +243,11 @@ class Engine:
                 f"request {request.request_id!r}: {len(kv.block_ids)} blocks for {kv.num_tokens} migrated tokens "
                 f"(block_size {block_size})"
             )
+        if kv.token_ids is not None and tuple(request.token_ids[: kv.num_tokens]) != kv.token_ids:
+            raise InvalidRequestError(
+                f"request {request.request_id!r}: the migrated KV is for other tokens than its prompt's first "
+                f"{kv.num_tokens}"
+            )
 
     def _preload_locked(self, request: Request, kv: PreloadedKV) -> None:
         request.block_ids = list(kv.block_ids)
@@ -463,7 +468,7 @@ class Engine:
             self._pool.free(pin.block_ids[keep:])
             if n == 0:
                 return None
-            return PreloadedKV(pin.block_ids[:keep], n)
+            return PreloadedKV(pin.block_ids[:keep], n, tuple(token_ids[:n]))
 
     def reserve_blocks(self, num_tokens: int) -> list[int]:
         """Fresh blocks for `num_tokens` incoming migrated tokens (OutOfBlocks when the cache cannot spare them)."""

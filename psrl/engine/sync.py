@@ -43,7 +43,9 @@ class KvLease:
 @dataclass(frozen=True)
 class PreloadedKV:
     """KV moved in from another engine: `block_ids` (reserved here) hold the K/V of the prompt's first
-    `num_tokens` tokens, so those are not prefilled again."""
+    `num_tokens` tokens, so those are not prefilled again. `token_ids`, when given, are those tokens: the engine
+    refuses the KV for a request whose prompt starts otherwise."""
 
     block_ids: tuple[int, ...]
     num_tokens: int
+    token_ids: tuple[int, ...] | None = None

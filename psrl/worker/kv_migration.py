@@ -352,7 +352,7 @@ class KvPuller:
                 stub.UnpinKv,
                 kv_migration_pb2.UnpinKvRequest(request_id=params.request_id, data_parallel_rank=params.source_dp_rank),
             )
-            return PreloadedKV(tuple(held), start), 0
+            return PreloadedKV(tuple(held), start, tuple(prompt[:start])), 0
         reserved: list[int] = []
         transfer_id = ""
         try:
@@ -389,7 +389,7 @@ class KvPuller:
         finally:
             if transfer_id:
                 self._background(stub.ReleaseKv, kv_migration_pb2.ReleaseKvRequest(transfer_id=transfer_id))
-        return PreloadedKV(tuple(table), n), n - start
+        return PreloadedKV(tuple(table), n, tuple(prompt[:n])), n - start
 
     def _background(self, rpc: Any, request: Any) -> None:
         """Send an acknowledgement (ReleaseKv, UnpinKv) without waiting: the request need not wait for the

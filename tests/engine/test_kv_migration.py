@@ -188,3 +188,36 @@ def test_adopting_a_pin_never_writes_into_a_block_others_read() -> None:
     assert kv is not None and kv.num_tokens == 16 and len(kv.block_ids) == 1  # rounded down to block 0
     engine.release_blocks(kv.block_ids)
     assert engine.num_used_blocks == 0
+
+
+def test_kv_for_other_tokens_is_refused() -> None:
+    engine = make_engine()
+    ids = engine.reserve_blocks(20)
+    kv = PreloadedKV(tuple(ids), 20, tuple(range(20)))
+    with pytest.raises(InvalidRequestError, match="other tokens"):
+        engine.add_request("a", [*range(1, 21), 5, 6], greedy(2), preloaded=kv)
+    engine.add_request("b", [*range(20), 5, 6], greedy(2), kv_pending=True)  # a held request checks on attach
+    with pytest.raises(InvalidRequestError, match="other tokens"):
+        engine.attach_kv("b", PreloadedKV(tuple(ids), 20, tuple(range(1, 21))))
+    assert engine.attach_kv("b", kv)
+    drain(engine)
+    assert engine.num_used_blocks == 0
+
+
+def test_blocks_of_a_request_aborted_during_a_forward_are_freed_after_it() -> None:
+    """reserve_blocks runs outside a step: it must never get blocks the forward in flight still writes."""
+    engine = make_engine(num_blocks=8)
+    [p] = prompts([40], seed=29)
+    engine.add_request("r", p, greedy(4))
+    engine.step()
+    written = set(engine.get_block_ids("r") or [])
+    assert len(written) == 3
+    engine._in_forward = {"r"}  # as step() sets it while the forward runs (white-box: the race is timing-bound)
+    assert engine.abort("r")
+    with pytest.raises(OutOfBlocks):
+        engine.reserve_blocks(6 * 16)  # its 3 blocks are not free yet: only the 5 nobody writes are
+    engine._end_forward()  # the forward ended: its blocks are free now
+    ids = engine.reserve_blocks(6 * 16)
+    assert written & set(ids)
+    engine.release_blocks(ids)
+    assert engine.num_used_blocks == 0
