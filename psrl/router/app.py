@@ -123,7 +123,7 @@ class RouterApp:
             kv_index=self.kv_index,
             evict=getattr(self.policy, "maybe_evict", None),
         )
-        self._startup: list[asyncio.Task] = []
+        self._tasks: set[asyncio.Task] = set()  # background work, awaited (or cancelled) at shutdown
         admin, data = True, False
         routes = [
             ("/health", "GET", self.health, None),
@@ -162,13 +162,13 @@ class RouterApp:
         if self.loop is not None:
             self.loop.start()
         for url in self.config.worker_urls:
-            self._startup.append(asyncio.create_task(self._register_from_cli(url)))
+            self._spawn(self._register_from_cli(url))
         try:
             yield
         finally:
-            for task in self._startup:
+            for task in self._tasks:
                 task.cancel()
-            await asyncio.gather(*self._startup, return_exceptions=True)
+            await asyncio.gather(*self._tasks, return_exceptions=True)
             await self.background.stop()
             if self.loop is not None:
                 await self.loop.stop()
@@ -250,12 +250,16 @@ class RouterApp:
         self._forget(worker)
         return _json({"worker_id": worker_id, "status": "removed"})
 
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     def _forget(self, worker: Worker) -> None:
         self.background.forget_worker(worker.worker_id)
         self.policy.on_worker_removed(worker.worker_id)
         if worker.connection_mode == "grpc" and self.registry.by_url(worker.url) is None:
-            task = asyncio.ensure_future(self.clients.drop(worker.target))
-            self._startup.append(task)  # kept so it is awaited (or cancelled) at shutdown
+            self._spawn(self.clients.drop(worker.target))
 
     async def _coordinator_body(self, request: Request) -> Any:
         body = P.parse_json(await request.body(), self.config.max_payload_bytes)
@@ -288,23 +292,7 @@ class RouterApp:
             await self.admission.on_commit(ticket.instance, ticket.meta, ticket.pinned_version)
 
     def _loop_status(self) -> dict[str, Any]:
-        if self.loop is None:
-            return {
-                "enabled": False,
-                "paused": False,
-                "routing": False,
-                "selecting": False,
-                "routing_epoch": 0,
-                "active_dispatch_handoffs": 0,
-                "queue_len": 0,
-                "pending_request_num": 0,
-                "running_tasks": 0,
-                "running_request_num": 0,
-                "max_running_dispatch_tasks": 0,
-                "queue_keys": [],
-                "partition_queue_lens": {},
-            }
-        return self.loop.status()
+        return self.loop.status() if self.loop is not None else RoutingLoop.disabled_status()
 
     def _query(self, request: Request) -> dict[str, str]:
         return {k: v[-1] for k, v in urllib.parse.parse_qs(request.query.decode("latin-1")).items()}
@@ -401,7 +389,7 @@ class RouterApp:
         )
         self.background.watch_worker(worker)
         if mode == "grpc":
-            self._startup.append(asyncio.create_task(self.tokenizers.prefetch(names[0])))
+            self._spawn(self.tokenizers.prefetch(names[0]))
         logger.info("registered %s worker %s at %s (dp_size=%d, models=%s)", mode, worker_id, url, dp_size, names)
         return worker
 
@@ -506,7 +494,8 @@ class RouterApp:
         except BaseException:
             await self.tito.abandon(prepared)
             raise
-        last = rollout.ticket or ticket
+        last = rollout.ticket
+        assert last is not None
         output = self._parse_output(chat, tok, gen)
         await self.tito.record(
             prepared,
@@ -546,7 +535,7 @@ class RouterApp:
         self, route: str, chat: P.ChatRequest, model: str, meta: RoutingMeta, rid: str, raw: bytes, request: Request
     ) -> AnyResponse:
         """A model served only over HTTP: the body goes to the chosen worker's `route` as it came."""
-        if TitoBridge.turn_of(request.headers) is not None:
+        if self.config.tito.enable_tito and TitoBridge.turn_of(request.headers) is not None:
             raise BadRequest(f"TITO needs gRPC workers; model {model!r} is served only over HTTP")
         text = "".join(m["content"] for m in chat.messages)  # what prefix policies match on over HTTP
         ticket = await self.dispatcher.acquire(model, meta, SelectionRequest(rid, model, (), text, meta.routing_key))
@@ -705,20 +694,22 @@ class RouterApp:
             assert isinstance(ids, list)
             rid = rid or new_request_id("gen")
             rollout = Rollout(self.dispatcher, model, meta, GenerationInput(rid, model, ids, req.sampling, False))
-            ticket = await rollout.start()
+            await rollout.start()
             gen = await rollout.collect()
+            last = rollout.ticket
+            assert last is not None
             text = tok.decode(gen.output_ids, req.sampling.skip_special_tokens) if detokenize and tok else None
             out = R.generate_output(
                 request_id=rid,
                 gen=gen,
-                weight_version=rollout.ticket.instance.weight_version if rollout.ticket else 0,
+                weight_version=last.instance.weight_version,
                 prompt_ids=ids,
                 return_logprob=req.return_logprob,
                 return_prompt_token_ids=req.return_prompt_token_ids,
                 text=text,
                 token_versions=rollout.state.token_versions,
             )
-            return rollout.ticket or ticket, out
+            return last, out
 
         results = await _gather_or_raise([one(p, r) for p, r in zip(req.prompts, req.request_ids)])
         payload: Any = [o for _, o in results] if req.batched else results[0][1]

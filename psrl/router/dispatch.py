@@ -122,12 +122,14 @@ class Dispatcher:
         self, model: str, meta: RoutingMeta, request: SelectionRequest, *, grpc_only: bool = False
     ) -> Ticket:
         """An instance for one iteration: from the routing loop for PSRL requests, else selected here."""
-        if grpc_only and not self.instances(model, True) and self.registry.instances_of(model):
+        instances = self.instances(model, grpc_only)
+        if grpc_only and not instances and self.registry.instances_of(model):
             raise BadRequest(f"model {model!r} is served only by HTTP workers; this endpoint needs gRPC workers")
         if self.loop is not None and meta.has_psrl:
+            # the loop re-reads the instances at each attempt: the fleet changes while a request waits
             return await self.loop.acquire(meta, request, lambda: self.instances(model, grpc_only))
         try:
-            selection = await self.selector.select(self.instances(model, grpc_only), meta, request)
+            selection = await self.selector.select(instances, meta, request)
         except PSManagerError as e:
             raise WorkerUnavailable(f"the PSManager is unavailable: {e}") from e
         self.metrics.selected(selection.stage, selection.instance is not None)
@@ -177,17 +179,13 @@ class Dispatcher:
 class Rollout:
     """One request's life over its iterations: `start()` places it and waits for the first frame (so errors
     are HTTP errors), then `deltas()` streams every token, across loop-backs, and `result` is the merged
-    generation. The headers a client gets come from `first_ticket`."""
+    generation. `start()` returns the first instance (a stream's headers); `ticket` is the latest."""
 
-    def __init__(
-        self, dispatcher: Dispatcher, model: str, meta: RoutingMeta, gen: GenerationInput, text: str | None = None
-    ) -> None:
+    def __init__(self, dispatcher: Dispatcher, model: str, meta: RoutingMeta, gen: GenerationInput) -> None:
         self._d = dispatcher
         self._model = model
         self.meta = meta
-        self._text = text
         self.state = RolloutState(gen)
-        self.first_ticket: Ticket | None = None
         self.ticket: Ticket | None = None
         self._call: WorkerCall | None = None
         self._last: Generation | None = None
@@ -198,7 +196,7 @@ class Rollout:
         self._kv_source: tuple[InstanceId, str] | None = None
 
     async def _begin(self, gen: GenerationInput) -> WorkerCall:
-        request = SelectionRequest(gen.request_id, self._model, gen.prompt_ids, self._text, self.meta.routing_key)
+        request = SelectionRequest(gen.request_id, self._model, gen.prompt_ids, None, self.meta.routing_key)
         ticket = await self._d.acquire(self._model, self.meta, request, grpc_only=True)
         try:
             check_prompt(gen.prompt_ids, gen.sampling, ticket.instance.worker.max_context_length)
@@ -210,8 +208,6 @@ class Rollout:
             gen = replace(gen, kv_transfer_params_json=params)
         call = await self._d.start_call(ticket, gen)
         self.ticket = ticket
-        if self.first_ticket is None:
-            self.first_ticket = ticket
         return call
 
     async def _loop_back(self, gen: GenerationInput) -> WorkerCall:
@@ -228,8 +224,8 @@ class Rollout:
 
     async def start(self) -> Ticket:
         self._call = await self._begin(self.state.original)
-        assert self.first_ticket is not None
-        return self.first_ticket
+        assert self.ticket is not None
+        return self.ticket
 
     async def deltas(self) -> AsyncIterator[Delta]:
         call = self._call

@@ -145,7 +145,6 @@ class _HostPool:
         self.host, self.port = host, port
         self._idle: collections.deque[_Connection] = collections.deque()
         self._max_idle = max_idle
-        self.authority = f"{host}:{port}".encode()
 
     async def acquire(self) -> tuple[_Connection, bool]:
         """An idle keep-alive connection (reused=True) or a new one."""

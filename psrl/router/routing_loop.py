@@ -199,6 +199,25 @@ class RoutingLoop:
 
     # ---- status --------------------------------------------------------------------------------------
 
+    @staticmethod
+    def disabled_status() -> dict[str, Any]:
+        """status() of a router that runs no routing loop: the same keys, all idle."""
+        return {
+            "enabled": False,
+            "paused": False,
+            "routing": False,
+            "selecting": False,
+            "routing_epoch": 0,
+            "active_dispatch_handoffs": 0,
+            "queue_len": 0,
+            "pending_request_num": 0,
+            "running_tasks": 0,
+            "running_request_num": 0,
+            "max_running_dispatch_tasks": 0,
+            "queue_keys": [],
+            "partition_queue_lens": {},
+        }
+
     def status(self) -> dict[str, Any]:
         queued = len(self._queue)
         return {

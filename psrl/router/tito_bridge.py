@@ -15,8 +15,6 @@ from psrl.tito import (
     SessionNotFound,
     TitoError,
     TitoStore,
-    TooManySessions,
-    TooManyTurns,
     TurnNotPrepared,
     TurnNotRecorded,
 )
@@ -47,9 +45,7 @@ def as_router_error(e: TitoError) -> RouterError:
         return NotFound(str(e), code=e.code)
     if isinstance(e, TurnNotRecorded | TurnNotPrepared):
         return Conflict(str(e), code=e.code)
-    if isinstance(e, TooManySessions | TooManyTurns):
-        return BadRequest(str(e), code=e.code)
-    return BadRequest(str(e), code=e.code)
+    return BadRequest(str(e), code=e.code)  # TooManySessions, TooManyTurns and the other refusals
 
 
 class TitoBridge:

@@ -141,8 +141,9 @@ class WorkerCall:
                 res.cached_tokens = max(res.cached_tokens, c.cached_tokens)
                 lps, top = _logprobs_of(c.output_logprobs, self._want_top)
                 if c.token_ids:
-                    self._extend(list(c.token_ids), lps, top)
-                    yield Delta(list(c.token_ids), lps, top)
+                    ids = list(c.token_ids)
+                    self._extend(ids, lps, top)
+                    yield Delta(ids, lps, top)
             elif which == "complete":
                 c = frame.complete
                 res.finish_reason = c.finish_reason or "stop"
@@ -154,8 +155,9 @@ class WorkerCall:
                     res.kv_moved_tokens = _moved_tokens(c.kv_transfer_params_json)
                 if not self._saw_chunk and c.output_ids:
                     lps, top = _logprobs_of(c.output_logprobs, self._want_top)
-                    self._extend(list(c.output_ids), lps, top)
-                    yield Delta(list(c.output_ids), lps, top)
+                    ids = list(c.output_ids)
+                    self._extend(ids, lps, top)
+                    yield Delta(ids, lps, top)
                 await self._finish_rpc()
                 return
             frame = await self._read()

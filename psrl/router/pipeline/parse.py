@@ -180,7 +180,6 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     logprobs: bool
-    top_logprobs: int
     add_generation_prompt: bool = True
     template_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -267,7 +266,6 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
         stream=get_bool(body, "stream", False),
         include_usage=_include_usage(body),
         logprobs=logprobs,
-        top_logprobs=top_logprobs,
         add_generation_prompt=get_bool(body, "add_generation_prompt", True),
         template_kwargs=kwargs,
     )
@@ -283,7 +281,6 @@ class CompletionRequest:
     sampling: SamplingSpec
     stream: bool
     include_usage: bool
-    logprobs: int | None
 
 
 def parse_completion(body: dict[str, Any]) -> CompletionRequest:
@@ -316,7 +313,6 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
         sampling=sampling,
         stream=stream,
         include_usage=_include_usage(body),
-        logprobs=logprobs,
     )
 
 

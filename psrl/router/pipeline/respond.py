@@ -20,11 +20,14 @@ def usage(gen: Generation) -> dict[str, Any]:
 
 
 def sum_usage(gens: list[Generation]) -> dict[str, Any]:
-    total = Generation(
-        prompt_tokens=sum(g.prompt_tokens for g in gens), cached_tokens=sum(g.cached_tokens for g in gens)
-    )
-    total.output_ids = [t for g in gens for t in g.output_ids]
-    return usage(total)
+    prompt = sum(g.prompt_tokens for g in gens)
+    completion = sum(g.completion_tokens for g in gens)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(g.cached_tokens for g in gens)},
+    }
 
 
 def sse(payload: dict[str, Any] | str) -> bytes:
