@@ -94,19 +94,9 @@ def _json_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _usage_counts(usage: Any) -> dict[str, int] | None:
-    """(prompt_tokens, completion_tokens) from any of the APIs' usage shapes (chat, or Responses/Messages'
-    input_tokens/output_tokens)."""
-    if not isinstance(usage, dict):
-        return None
-    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
-    completion = usage.get("completion_tokens", usage.get("output_tokens"))
-    return {"prompt_tokens": int(prompt or 0), "completion_tokens": int(completion or 0)}
-
-
-def _usage_of(upstream: httpx.Response) -> dict[str, int] | None:
+def _usage_of(upstream: httpx.Response) -> Any:
     try:
-        return _usage_counts(upstream.json().get("usage"))
+        return upstream.json().get("usage")
     except (ValueError, AttributeError):
         return None
 
@@ -219,7 +209,7 @@ class SessionRouter:
                 upstream = await self.upstream("POST", f"/{path}", content=json.dumps(body).encode(), headers=headers)
                 if upstream.is_success:
                     result = upstream.json()
-                    state.record_success(upstream.headers, _usage_counts(result.get("usage")))
+                    state.record_success(upstream.headers, result.get("usage"))
                     state.advance_trajectory(trajectory)
             finally:
                 state.end_turn()

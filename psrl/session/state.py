@@ -47,6 +47,12 @@ HangState = Literal["running", "hung"]
 TrajectoryStrategy = Literal["manual", "auto"]
 
 
+def trajectory_key(raw: str | None) -> str:
+    """One name per trajectory: the router reads the header as an integer, so "01" and "1" are the same."""
+    key = (raw or "0").strip()
+    return str(int(key)) if key.isdigit() else key
+
+
 def session_headers_from(request_headers: Mapping[str, str]) -> dict[str, str]:
     """The whitelisted headers a session keeps; a client's session id is never among them (never trusted)."""
     lowered = {k.lower(): v for k, v in request_headers.items()}
@@ -91,11 +97,7 @@ class SessionState:
     def turn_lock(self, request_headers: Mapping[str, str], strategy: TrajectoryStrategy) -> asyncio.Lock:
         """Turns of one trajectory run one at a time, in arrival order: TITO records a trajectory as a chain of
         turns, so an agent that fires its next turn before the last one answered waits instead of failing."""
-        key: str | None = None
-        if strategy == "manual":
-            key = (request_headers.get(TRAJECTORY_HEADER) or "0").strip()
-            if key.isdigit():
-                key = str(int(key))  # "01" and "1" are one trajectory to the router
+        key = None if strategy == "auto" else trajectory_key(request_headers.get(TRAJECTORY_HEADER))
         return self.turn_locks.setdefault(key, asyncio.Lock())
 
     def begin_turn(self) -> None:
@@ -109,8 +111,9 @@ class SessionState:
             if self.marked_for_hang and not self.closing:
                 self.hang()
 
-    def record_success(self, response_headers: Mapping[str, str], usage: Mapping[str, Any] | None) -> None:
-        """Remember the instance and version that served the turn; later turns replay them."""
+    def record_success(self, response_headers: Mapping[str, str], usage: Any) -> None:
+        """Remember the instance and version that served the turn; later turns replay them. `usage` is the
+        answer's, in any of the APIs' shapes (chat's prompt/completion_tokens, or input/output_tokens)."""
         worker = response_headers.get(WORKER_HEADER)
         if worker:
             self.base_worker_id = worker
@@ -120,13 +123,15 @@ class SessionState:
         version = response_headers.get(VERSION_HEADER)
         if version is not None and version.strip() != "":
             self.version_tag = version
-        if usage:
-            tokens = int(usage.get("prompt_tokens") or 0) + int(usage.get("completion_tokens") or 0)
-            self.total_tokens = max(self.total_tokens, tokens)
+        if isinstance(usage, Mapping):
+            prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+            completion = usage.get("completion_tokens", usage.get("output_tokens"))
+            self.total_tokens = max(self.total_tokens, int(prompt or 0) + int(completion or 0))
 
     def advance_trajectory(self, trajectory_id: str | None) -> None:
         if trajectory_id is not None:
-            self.trajectory_turns[trajectory_id] = self.trajectory_turns.get(trajectory_id, 0) + 1
+            key = trajectory_key(trajectory_id)
+            self.trajectory_turns[key] = self.trajectory_turns.get(key, 0) + 1
 
     # ---- hang / continue ------------------------------------------------------------------------------
 

@@ -169,11 +169,7 @@ class _Session:
         return out
 
     def path_ids(self, node_id: int | None) -> list[int]:
-        ids: list[int] = []
-        for node in self.path(node_id):
-            ids += node.new_prompt_ids
-            ids += node.output_ids
-        return ids
+        return _ids_of(self.path(node_id))
 
 
 # --- the store ---------------------------------------------------------------------------------------------
@@ -210,10 +206,9 @@ class TitoStore:
         self.drop_dead_leaves = drop_dead_leaves
         self._sessions: dict[str, _Session] = {}
         self._lock = threading.Lock()
-        self._eos_ids = frozenset(tokenizer.eos_token_ids)
-        # The end-of-turn texts the template may write after an assistant message, longest first.
-        texts = {tokenizer.decode([i], skip_special_tokens=False) for i in tokenizer.eos_token_ids}
-        self._eot_texts = sorted((t for t in texts if t), key=len, reverse=True)
+        # The end-of-turn token texts (the template writes one after an assistant message), longest first.
+        self._eot_text_of = {i: tokenizer.decode([i], skip_special_tokens=False) for i in tokenizer.eos_token_ids}
+        self._eot_texts = sorted({t for t in self._eot_text_of.values() if t}, key=len, reverse=True)
 
     # ---- sessions ---------------------------------------------------------------------------------------
 
@@ -281,7 +276,7 @@ class TitoStore:
             rendered = 0  # the length of the parent path's render, the start of this turn's part of `full`
             new_text = full
             if parent is not None:
-                path = session.path(parent.id)
+                path = own_path if own_path and own_path[-1] is parent else session.path(parent.id)
                 start = _rendered_prefix(path, full)
                 reply = msgs[parent.num_messages]
                 suffix = None if start is None else self._suffix_text(parent, full, start, reply)
@@ -298,9 +293,7 @@ class TitoStore:
                     parent = None
                 else:
                     rendered, new_text = start, suffix
-                    for node in path:
-                        prompt_ids += node.new_prompt_ids
-                        prompt_ids += node.output_ids
+                    prompt_ids = _ids_of(path)
             reused = len(prompt_ids)
             prompt_ids += self.tokenizer.encode(new_text)
             if self.debug:
@@ -425,7 +418,7 @@ class TitoStore:
                 trajectories.append(
                     {
                         "trajectory_id": tid,
-                        "accumulated_token_ids": session.path_ids(traj.leaf),
+                        "accumulated_token_ids": _ids_of(path),
                         "records": [_record(n) for n in path],
                     }
                 )
@@ -486,12 +479,11 @@ class TitoStore:
         for n in range(len(msgs) - 1, 0, -1):
             if msgs[n].get("role") != "assistant":
                 continue
+            same_prompt = session.by_prompt_hash.get(chain[n])
+            if not same_prompt:
+                continue
             echoed = _reply_signature(msgs[n])
-            candidates = [
-                session.nodes[i]
-                for i in session.by_prompt_hash.get(chain[n], ())
-                if session.nodes[i].reply_signature in (None, echoed)
-            ]
+            candidates = [session.nodes[i] for i in same_prompt if session.nodes[i].reply_signature in (None, echoed)]
             if candidates:
                 # Two turns may share a prompt (samples of one prompt); prefer this trajectory's own, then the newest.
                 return max(candidates, key=lambda node: (node.id in own, node.id))
@@ -518,7 +510,7 @@ class TitoStore:
         if best < 0:
             return None
         out = parent.output_ids
-        ended = bool(out) and out[-1] in self._eos_ids and self.tokenizer.decode(out[-1:], False) == eot
+        ended = bool(out) and self._eot_text_of.get(out[-1]) == eot
         return full[best + len(eot) if ended else best :]
 
     def _collect_garbage(self, session: _Session) -> None:
@@ -608,6 +600,15 @@ def _chain_hashes(items: list[Any], recorded: list[_Node]) -> tuple[list[str], l
         normals.append(_normalize(item))
         chain.append(_chain_step(chain[-1] if chain else "", normals[-1]))
     return chain, normals
+
+
+def _ids_of(path: list[_Node]) -> list[int]:
+    """The token ids along a path: each turn's new prompt ids, then what it sampled."""
+    ids: list[int] = []
+    for node in path:
+        ids += node.new_prompt_ids
+        ids += node.output_ids
+    return ids
 
 
 def _reply_signature(message: Mapping[str, Any]) -> tuple[str, tuple[tuple[str, str], ...]]:

@@ -23,6 +23,8 @@ import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
 
 ENCODE_CACHE_ENTRIES = 1024
+# Texts longer than this are encoded without the cache: 1024 long-context prompts would hold gigabytes.
+ENCODE_CACHE_MAX_CHARS = 32_768
 
 
 class TokenizerLoadError(RuntimeError):
@@ -119,6 +121,8 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         # RL rollouts send each prompt many times (a group of samples per prompt): remember recent encodings.
+        if len(text) > ENCODE_CACHE_MAX_CHARS:
+            return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
         return list(self._encode_cached(text, add_special_tokens))
 
     def _encode_uncached(self, text: str, add_special_tokens: bool) -> tuple[int, ...]:

@@ -38,8 +38,8 @@ def test_trajectory_id_manual_and_auto() -> None:
     h, traj = s.turn_headers({"x-smg-tito-trajectory-id": "4"}, "auto")
     assert "x-smg-tito-trajectory-id" not in h and traj is None
     s.advance_trajectory("0")
-    s.advance_trajectory("0")
-    assert s.trajectory_turns == {"0": 2}
+    s.advance_trajectory("00")
+    assert s.trajectory_turns == {"0": 2}  # one trajectory to the router
 
 
 def test_hang_is_deferred_mid_turn_and_applies_at_zero_inflight() -> None:
@@ -61,7 +61,8 @@ def test_total_tokens_is_the_max_turn_size() -> None:
     s = SessionState("s")
     s.record_success({}, {"prompt_tokens": 10, "completion_tokens": 5})
     s.record_success({}, {"prompt_tokens": 3, "completion_tokens": 1})
-    assert s.total_tokens == 15
+    s.record_success({}, {"input_tokens": 20, "output_tokens": 2})  # the Responses / Messages shape
+    assert s.total_tokens == 22
 
 
 def test_control_bodies() -> None:

@@ -80,3 +80,13 @@ def test_encode_cache_returns_fresh_lists(tokenizer: Tokenizer) -> None:
     first.append(-1)  # callers may mutate what they get
     again = tokenizer.encode("the same prompt, many samples")
     assert -1 not in again and again == first[:-1]
+
+
+def test_long_texts_bypass_the_encode_cache(tokenizer: Tokenizer) -> None:
+    from psrl.tokenizer.tokenizer import ENCODE_CACHE_MAX_CHARS
+
+    long_text = "The quick brown fox. " * (ENCODE_CACHE_MAX_CHARS // 20)
+    before = tokenizer._encode_cached.cache_info().currsize
+    ids = tokenizer.encode(long_text)
+    assert tokenizer._encode_cached.cache_info().currsize == before  # not kept
+    assert ids == list(tokenizer._encode_uncached(long_text, False))
