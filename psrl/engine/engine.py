@@ -18,6 +18,7 @@ pause modes.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -42,7 +43,7 @@ from psrl.engine.errors import (
 from psrl.engine.kv_cache import CacheConfig, PagedKVCache, blocks_for_tokens
 from psrl.engine.kv_events import KvEvent
 from psrl.engine.model import Qwen2Model
-from psrl.engine.prefix_cache import BlockPool, extend_block_hashes
+from psrl.engine.prefix_cache import BlockPool
 from psrl.engine.request import Request, RequestOutput, RequestStatus
 from psrl.engine.sampler import Sampler, SampleResult, SamplingOptions
 from psrl.engine.scheduler import ScheduledChunk, Scheduler
@@ -123,8 +124,9 @@ class Engine:
         self._pins: dict[str, _Pin] = {}  # oldest first
         # Requests whose blocks the forward in flight writes: an abort meanwhile frees their blocks only once
         # it has ended, so that reserve_blocks (which runs outside a step) never hands out a block being written.
-        self._in_forward: set[str] = set()
+        self._forward_in_flight = False
         self._deferred_free: list[int] = []
+        self._next_pin_expiry = math.inf  # no pin expires before this (time.monotonic())
 
     # ---- weights --------------------------------------------------------------------------------
 
@@ -301,8 +303,8 @@ class Engine:
     def _abort_locked(self, req: Request) -> None:
         """Caller holds _lock."""
         del self._requests[req.request_id]
-        if req.request_id in self._in_forward:
-            self._deferred_free += req.block_ids  # the forward in flight still writes them
+        if self._forward_in_flight:
+            self._deferred_free += req.block_ids  # the forward in flight may still write them
             req.block_ids = []
         self._scheduler.finish(req)
         self._pending_abort_ids.add(req.request_id)
@@ -418,7 +420,7 @@ class Engine:
                 ids = list(pin.block_ids[: blocks_for_tokens(n, block_size)])
                 source = "pin"
             elif allow_prefix_cache:
-                ids = self._cached_prefix_locked(token_ids)
+                ids = self._pool.cached_prefix_of(token_ids)
                 n = len(ids) * block_size
                 source = "prefix_cache"
             else:
@@ -426,27 +428,18 @@ class Engine:
             if n == 0:
                 return None
             self._pool.touch(ids)
-            return KvLease(tuple(token_ids[:n]), n, tuple(ids), source)
+            return KvLease(n, tuple(ids), source)
 
     def lease_cached_prefix(self, token_ids: Sequence[int]) -> KvLease | None:
         """The full blocks of `token_ids` this engine's prefix cache holds, with a reference each (released by
         `release_blocks`, or handed to a request in a PreloadedKV): the part of a migration not to move."""
         with self._lock:
-            ids = self._cached_prefix_locked(token_ids)
+            ids = self._pool.cached_prefix_of(token_ids)
             if not ids:
                 return None
             self._pool.touch(ids)
             n = len(ids) * self.cache_config.block_size
-            return KvLease(tuple(token_ids[:n]), n, tuple(ids), "prefix_cache")
-
-    def _cached_prefix_locked(self, token_ids: Sequence[int]) -> list[int]:
-        if not self.enable_prefix_caching:
-            return []
-        hashes: list[int] = []
-        extend_block_hashes(
-            hashes, token_ids, self.cache_config.block_size, len(token_ids) // self.cache_config.block_size
-        )
-        return self._pool.cached_prefix(hashes)
+            return KvLease(n, tuple(ids), "prefix_cache")
 
     def adopt_pin(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> PreloadedKV | None:
         """A request looped back to this engine takes over the pinned KV of its previous iteration without a
@@ -500,7 +493,9 @@ class Engine:
         ids = req.block_ids[: blocks_for_tokens(n, self.cache_config.block_size)]
         self._drop_pin_locked(req.request_id)
         self._pool.touch(ids)
-        self._pins[req.request_id] = _Pin(tuple(req.token_ids[:n]), tuple(ids), time.monotonic() + ttl_s)
+        expires_at = time.monotonic() + ttl_s
+        self._pins[req.request_id] = _Pin(tuple(req.token_ids[:n]), tuple(ids), expires_at)
+        self._next_pin_expiry = min(self._next_pin_expiry, expires_at)
         return n
 
     def _drop_oldest_pin_locked(self) -> bool:
@@ -517,8 +512,11 @@ class Engine:
 
     def _expire_pins_locked(self) -> None:
         now = time.monotonic()
+        if now < self._next_pin_expiry:
+            return
         for request_id in [r for r, p in self._pins.items() if p.expires_at <= now]:
             self._drop_pin_locked(request_id)
+        self._next_pin_expiry = min((p.expires_at for p in self._pins.values()), default=math.inf)
 
     # ---- prefix cache and KV events -------------------------------------------------------------
 
@@ -581,7 +579,7 @@ class Engine:
                 sampling_chunks = [c for c in chunks if c.samples]
                 options = [c.request.sampling for c in sampling_chunks]
                 generators = [c.request.generator for c in sampling_chunks]
-                self._in_forward = {c.request.request_id for c in chunks}
+                self._forward_in_flight = True
             model = self._model
             try:
                 with torch.inference_mode():
@@ -596,7 +594,7 @@ class Engine:
 
     def _end_forward(self) -> None:
         with self._lock:
-            self._in_forward = set()
+            self._forward_in_flight = False
             if self._deferred_free:
                 self._pool.free(self._deferred_free)
                 self._deferred_free = []

@@ -158,6 +158,20 @@ class BlockPool:
             ids.append(entry.block_id)
         return ids
 
+    def cached_prefix_of(self, token_ids: Sequence[int]) -> list[int]:
+        """Block ids serving the longest cached run of `token_ids`' full blocks; hashes only up to the first miss."""
+        ids: list[int] = []
+        if not self.enable_caching:
+            return ids
+        parent: int | None = None
+        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
+            parent = hash_block_tokens(parent, token_ids[start : start + self.block_size])
+            entry = self._cached.get(parent)
+            if entry is None:
+                break
+            ids.append(entry.block_id)
+        return ids
+
     def num_evictable(self, ids: Sequence[int]) -> int:
         """How many of `ids` are free cached blocks (touching them takes them out of `num_free`)."""
         return sum(1 for i in ids if self._ref[i] == 0)

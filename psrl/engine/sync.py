@@ -31,10 +31,9 @@ class SyncAbortedRequest:
 
 @dataclass(frozen=True)
 class KvLease:
-    """KV blocks lent out for a transfer: the first `num_tokens` tokens of `token_ids` have their K/V in
-    `block_ids` (the last block may be partial). The blocks carry an extra reference until released."""
+    """KV blocks lent out for a transfer: the first `num_tokens` tokens asked for have their K/V in `block_ids`
+    (the last block may be partial). The blocks carry an extra reference until released."""
 
-    token_ids: tuple[int, ...]
     num_tokens: int
     block_ids: tuple[int, ...]
     source: str  # "pin" | "prefix_cache"

@@ -139,7 +139,7 @@ class KVLayoutSpec:
     @classmethod
     def from_kv_cache_layout(cls, layout: KVCacheLayout) -> KVLayoutSpec:
         """The spec of a cache ``describe_kv_cache`` validated, its in-block order read from its strides."""
-        order = getattr(layout, "kv_layout", "NHD")  # blocks.py without HND support: NHD only
+        order = layout.kv_layout
         if order not in BLOCK_LAYOUTS:
             raise LayoutError(f"the cache's in-block strides are {order}, neither NHD nor HND")
         block_layout: BlockLayout = "HND" if order == "HND" else "NHD"

@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,9 +41,15 @@ TRANSFER_MODES: tuple[TransferMode, ...] = ("async", "sync", "pin_sync")
 UNACKED_TRANSFER_TTL_S = 60.0
 
 
+_layouts: weakref.WeakKeyDictionary[AsyncEngine, KVLayoutSpec] = weakref.WeakKeyDictionary()
+
+
 def layout_of(engine: AsyncEngine) -> KVLayoutSpec:
-    """What two replicas must agree on to exchange blocks."""
-    return KVLayoutSpec.describe(engine.engine.kv_cache.layers)
+    """What two replicas must agree on to exchange blocks (described once per engine: its cache never changes)."""
+    layout = _layouts.get(engine)
+    if layout is None:
+        layout = _layouts[engine] = KVLayoutSpec.describe(engine.engine.kv_cache.layers)
+    return layout
 
 
 @dataclass
@@ -325,18 +332,18 @@ class KvPuller:
         if pulled is None:
             counters.fallbacks += 1
             return None
-        kv, moved = pulled
+        kv, moved, nbytes = pulled
         if moved:
             counters.transfers_in += 1
             counters.tokens_in += moved
-            counters.bytes_in += layout_of(engine).transfer_nbytes(-(-moved // engine.engine.cache_config.block_size))
+            counters.bytes_in += nbytes
             counters.transfer_seconds_in += time.perf_counter() - start
         return kv
 
     async def _pull(
         self, engine: AsyncEngine, prompt: Sequence[int], params: KvTransferParams
-    ) -> tuple[PreloadedKV, int] | None:
-        """(the request's KV, tokens moved in) or None when the source has nothing for it."""
+    ) -> tuple[PreloadedKV, int, int] | None:
+        """(the request's KV, tokens moved in, bytes moved) or None when the source has nothing for it."""
         limit = len(prompt) - 1  # the last prompt token is always computed here (its logits are needed)
         want = min(params.num_tokens, limit) if params.num_tokens else limit
         if want <= 0:
@@ -352,7 +359,7 @@ class KvPuller:
                 stub.UnpinKv,
                 kv_migration_pb2.UnpinKvRequest(request_id=params.request_id, data_parallel_rank=params.source_dp_rank),
             )
-            return PreloadedKV(tuple(held), start, tuple(prompt[:start])), 0
+            return PreloadedKV(tuple(held), start, tuple(prompt[:start])), 0, 0
         reserved: list[int] = []
         transfer_id = ""
         try:
@@ -389,7 +396,7 @@ class KvPuller:
         finally:
             if transfer_id:
                 self._background(stub.ReleaseKv, kv_migration_pb2.ReleaseKvRequest(transfer_id=transfer_id))
-        return PreloadedKV(tuple(table), n, tuple(prompt[:n])), n - start
+        return PreloadedKV(tuple(table), n, tuple(prompt[:n])), n - start, transfer.nbytes
 
     def _background(self, rpc: Any, request: Any) -> None:
         """Send an acknowledgement (ReleaseKv, UnpinKv) without waiting: the request need not wait for the

@@ -212,7 +212,7 @@ def test_blocks_of_a_request_aborted_during_a_forward_are_freed_after_it() -> No
     engine.step()
     written = set(engine.get_block_ids("r") or [])
     assert len(written) == 3
-    engine._in_forward = {"r"}  # as step() sets it while the forward runs (white-box: the race is timing-bound)
+    engine._forward_in_flight = True  # as step() sets it while the forward runs (white-box: the race is timing-bound)
     assert engine.abort("r")
     with pytest.raises(OutOfBlocks):
         engine.reserve_blocks(6 * 16)  # its 3 blocks are not free yet: only the 5 nobody writes are
