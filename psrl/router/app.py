@@ -487,7 +487,7 @@ class RouterApp:
             chat.sampling.logprobs = 0
         try:
             rollout = Rollout(
-                self.dispatcher, model, meta, GenerationInput(rid, model, prepared.prompt_ids, chat.sampling, False)
+                self.dispatcher, model, meta, GenerationInput(rid, prepared.prompt_ids, chat.sampling, False)
             )
             ticket = await rollout.start()
             gen = await rollout.collect()
@@ -524,7 +524,7 @@ class RouterApp:
         if chat.stream and turn is None:
             tok = await self.tokenizers.get(model)
             prompt = await chat_prompt_ids(chat, tok)
-            rollout = Rollout(self.dispatcher, model, meta, GenerationInput(rid, model, prompt, chat.sampling, True))
+            rollout = Rollout(self.dispatcher, model, meta, GenerationInput(rid, prompt, chat.sampling, True))
             ticket = await rollout.start()
             events = self._chat_sse(rollout, tok, chat, rid, int(time.time()), model)
             return self._stream("/v1/chat/completions", request, ticket, events)
@@ -551,7 +551,7 @@ class RouterApp:
             ticket, gen, output = await self._tito_chat(turn, chat, model, meta, rid, tok)
         else:
             prompt = await chat_prompt_ids(chat, tok)
-            rollout = Rollout(self.dispatcher, model, meta, GenerationInput(rid, model, prompt, chat.sampling, False))
+            rollout = Rollout(self.dispatcher, model, meta, GenerationInput(rid, prompt, chat.sampling, False))
             ticket = await rollout.start()
             gen = await rollout.collect()
             output = self._parse_output(chat, tok, gen)
@@ -643,7 +643,7 @@ class RouterApp:
         tok = await self.tokenizers.get(model)
         prompts = [await text_prompt_ids(p, tok) for p in req.prompts]
         if req.stream:
-            rollout = Rollout(self.dispatcher, model, meta, GenerationInput(rid, model, prompts[0], req.sampling, True))
+            rollout = Rollout(self.dispatcher, model, meta, GenerationInput(rid, prompts[0], req.sampling, True))
             ticket = await rollout.start()
             return self._stream(
                 "/v1/completions", request, ticket, self._completion_sse(rollout, tok, req, rid, created, model)
@@ -651,7 +651,7 @@ class RouterApp:
 
         async def one(index: int, prompt: list[int]) -> tuple[Ticket, Generation]:
             sub_id = rid if len(prompts) == 1 else f"{rid}-{index}"
-            rollout = Rollout(self.dispatcher, model, meta, GenerationInput(sub_id, model, prompt, req.sampling, False))
+            rollout = Rollout(self.dispatcher, model, meta, GenerationInput(sub_id, prompt, req.sampling, False))
             ticket = await rollout.start()
             return ticket, await rollout.collect()
 
@@ -693,7 +693,7 @@ class RouterApp:
             ids = await text_prompt_ids(prompt, tok) if isinstance(prompt, str) and tok else prompt
             assert isinstance(ids, list)
             rid = rid or new_request_id("gen")
-            rollout = Rollout(self.dispatcher, model, meta, GenerationInput(rid, model, ids, req.sampling, False))
+            rollout = Rollout(self.dispatcher, model, meta, GenerationInput(rid, ids, req.sampling, False))
             await rollout.start()
             gen = await rollout.collect()
             last = rollout.ticket

@@ -168,7 +168,7 @@ async def test_max_running_caps_dispatch() -> None:
 
 
 def _gen_input(max_tokens: int | None = 10, logprobs: int | None = 0) -> GenerationInput:
-    return GenerationInput("r", "m", [1, 2, 3], SamplingSpec(max_tokens=max_tokens, logprobs=logprobs))
+    return GenerationInput("r", [1, 2, 3], SamplingSpec(max_tokens=max_tokens, logprobs=logprobs))
 
 
 def test_rollout_state_merges_segments_and_rebuilds_the_request() -> None:

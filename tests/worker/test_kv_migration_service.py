@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import subprocess
+import threading
 from collections.abc import AsyncIterator
 
 import grpc
@@ -19,6 +20,7 @@ from psrl.worker.kv_migration import (
     KvMigrationServicer,
     KvPuller,
     KvTransferParams,
+    _in_thread,
     layout_of,
     remove_stale_segments,
 )
@@ -151,6 +153,60 @@ async def test_what_the_destination_holds_already_is_not_moved(source) -> None:
             for s_layer, d_layer in zip(src_layers, dst_layers):
                 assert (s_layer[:, s_block, pos % 16] == d_layer[:, d_block, pos % 16]).all()
         src.engine.release_blocks(lease.block_ids)
+        dest.engine.release_blocks(kv.block_ids)
+    finally:
+        await puller.close()
+        dest.shutdown()
+
+
+async def test_a_cancelled_copy_is_waited_for_and_its_result_discarded() -> None:
+    """A pull that times out mid-copy must not free blocks the copy thread still writes."""
+    release, discarded = threading.Event(), []
+    task = asyncio.create_task(_in_thread(lambda: release.wait(5) and "segment", discard=discarded.append))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    await asyncio.sleep(0.05)
+    assert not task.done()  # still waiting for the thread
+    task.cancel()  # a second cancellation does not cut the wait short either
+    await asyncio.sleep(0.05)
+    assert not task.done()
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert discarded == ["segment"]
+
+
+async def test_transfer_ranges_the_peer_already_holds_are_refused(source) -> None:
+    target, servicer = source
+    src = servicer.engines[0]
+    stream = src.generate("r", PROMPT, SamplingOptions(temperature=0.0, max_tokens=50, ignore_eos=True))
+    await stream.__anext__()
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = pb_grpc.KvMigrationStub(ch)
+        await stub.PinKv(pb.PinKvRequest(request_id="r", ttl_ms=10_000))
+        await src.abort("r")
+        used = src.engine.num_used_blocks
+        reply = await stub.TransferKv(pb.TransferKvRequest(request_id="r", token_ids=PROMPT, start_token=5))
+        assert reply.num_tokens == 0 and "not block-aligned" in reply.reason
+        reply = await stub.TransferKv(pb.TransferKvRequest(request_id="r", token_ids=PROMPT, start_token=48))
+        assert reply.num_tokens == 0 and "already holds 48" in reply.reason
+        assert src.engine.num_used_blocks == used  # the lease was given back
+        reply = await stub.TransferKv(pb.TransferKvRequest(request_id="r", token_ids=PROMPT, start_token=16))
+        assert reply.num_tokens == len(PROMPT) and json.loads(reply.transfer_json)["num_tokens"] == len(PROMPT) - 16
+        assert (await stub.ReleaseKv(pb.ReleaseKvRequest(transfer_id=reply.transfer_id))).released
+    assert src.engine.num_pinned == 0 and src.engine.num_used_blocks == 0
+
+
+async def test_a_prompt_the_destination_holds_needs_no_transfer(source) -> None:
+    target, servicer = source
+    dest = _engine()
+    async for _ in dest.generate("w", [*PROMPT, 99], SamplingOptions(temperature=0.0, max_tokens=1)):
+        pass  # the destination caches PROMPT's 2 full blocks (32 tokens)
+    puller = KvPuller(servicer.counters, "127.0.0.1:1")
+    try:
+        kv = await puller.pull(dest, 0, PROMPT[:33], KvTransferParams(target, 0, "gone", 0, "sync", 5000))
+        assert kv is not None and kv.num_tokens == 32  # all it needs is here: nothing asked of the source
+        assert servicer.counters[0].transfers_in == 0 and servicer.counters[0].transfers_out == 0
         dest.engine.release_blocks(kv.block_ids)
     finally:
         await puller.close()

@@ -113,15 +113,23 @@ async def test_out_of_range_rank_is_invalid_argument(stub) -> None:
 
 
 async def test_bad_requests_are_invalid_argument(stub) -> None:
+    bad_kv = _req("e5", stream=False)
+    bad_kv.kv_transfer_params_json = '{"source": {"target": "h:1"}, "request_id": "r", "mode": "eventually"}'
+    no_input = _req("e6", stream=False)
+    no_input.ClearField("tokenized")
     cases = {
-        "empty": _req("e1", stream=False, prompt=[]),
-        "vocab": _req("e2", stream=False, prompt=[10**6]),
-        "too-long": _req("e3", stream=False, prompt=[1] * 5000),
+        "empty prompt": _req("e1", stream=False, prompt=[]),
+        "outside the vocabulary": _req("e2", stream=False, prompt=[10**6]),
+        "max_model_len": _req("e3", stream=False, prompt=[1] * 5000),
+        "request_id is required": _req("", stream=False),
+        "kv_transfer_params_json": bad_kv,
+        "neither tokenized input nor text": no_input,
     }
-    for name, req in cases.items():
+    for detail, req in cases.items():
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await _frames(stub, req)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, detail
+        assert detail in (err.value.details() or ""), (detail, err.value.details())
     # the replica still serves afterwards
     assert (await _frames(stub, _req("after", stream=False)))[0].complete.finish_reason == "length"
 

@@ -58,7 +58,6 @@ class GenerationInput:
     """One prompt, ready for a replica."""
 
     request_id: str
-    model: str | None
     prompt_ids: list[int]
     sampling: SamplingSpec
     stream: bool = False
