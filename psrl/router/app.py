@@ -511,16 +511,31 @@ class RouterApp:
 
     # ---- data plane -----------------------------------------------------------------------------------
 
-    async def chat_completions(self, request: Request) -> AnyResponse:
+    async def _chat_front(
+        self, request: Request, to_chat: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    ) -> tuple[bytes, dict[str, Any], RoutingMeta, P.ChatRequest, str, str]:
+        """What every chat-shaped endpoint starts with: (raw body, body, routing meta, the chat request, model,
+        request id); `to_chat` converts another API's body to a chat body first."""
         raw = await request.body()
         body = P.parse_json_body(raw, self.config.max_payload_bytes)
         meta = parse_routing_meta(request.headers)
-        chat = P.parse_chat(body)
-        model = resolve_model(self.registry, chat.model)
-        rid = new_request_id("chatcmpl")
+        chat_body = body
+        if to_chat is not None:
+            try:
+                chat_body = to_chat(body)
+            except ApiShapeError as e:
+                raise BadRequest(e.message, param=e.param) from None
+        chat = P.parse_chat(chat_body)
+        return raw, body, meta, chat, resolve_model(self.registry, chat.model), new_request_id("chatcmpl")
+
+    def _tito_turn(self, request: Request) -> tuple[str, int] | None:
+        return TitoBridge.turn_of(request.headers) if self.config.tito.enable_tito else None
+
+    async def chat_completions(self, request: Request) -> AnyResponse:
+        raw, _, meta, chat, model, rid = await self._chat_front(request)
         if not self._needs_tokens(model):
             return await self._proxy_http("/v1/chat/completions", chat, model, meta, rid, raw, request)
-        turn = TitoBridge.turn_of(request.headers) if self.config.tito.enable_tito else None
+        turn = self._tito_turn(request)
         if chat.stream and turn is None:
             tok = await self.tokenizers.get(model)
             prompt = await chat_prompt_ids(chat, tok)
@@ -535,7 +550,7 @@ class RouterApp:
         self, route: str, chat: P.ChatRequest, model: str, meta: RoutingMeta, rid: str, raw: bytes, request: Request
     ) -> AnyResponse:
         """A model served only over HTTP: the body goes to the chosen worker's `route` as it came."""
-        if self.config.tito.enable_tito and TitoBridge.turn_of(request.headers) is not None:
+        if self._tito_turn(request) is not None:
             raise BadRequest(f"TITO needs gRPC workers; model {model!r} is served only over HTTP")
         text = "".join(m["content"] for m in chat.messages)  # what prefix policies match on over HTTP
         ticket = await self.dispatcher.acquire(model, meta, SelectionRequest(rid, model, (), text, meta.routing_key))
@@ -569,22 +584,12 @@ class RouterApp:
     ) -> AnyResponse:
         """`/v1/responses` and `/v1/messages`: the body becomes a chat request, runs the chat pipeline (TITO
         included), and the completion is shaped back; a stream is built from the finished result."""
-        raw = await request.body()
-        body = P.parse_json_body(raw, self.config.max_payload_bytes)
-        meta = parse_routing_meta(request.headers)
-        try:
-            chat_body = to_chat(body)
-        except ApiShapeError as e:
-            raise BadRequest(e.message, param=e.param) from None
-        chat = P.parse_chat(chat_body)
+        raw, body, meta, chat, model, rid = await self._chat_front(request, to_chat)
         stream = P.get_bool(body, "stream", False)
-        model = resolve_model(self.registry, chat.model)
-        rid = new_request_id("chatcmpl")
         if not self._needs_tokens(model):
             chat.stream = stream
             return await self._proxy_http(route, chat, model, meta, rid, raw, request)
-        turn = TitoBridge.turn_of(request.headers) if self.config.tito.enable_tito else None
-        ticket, completion = await self._chat_completion(chat, model, meta, rid, turn)
+        ticket, completion = await self._chat_completion(chat, model, meta, rid, self._tito_turn(request))
         out = from_chat(completion, body)
         if not stream:
             return _json(out, headers=_instance_headers(ticket))
