@@ -117,3 +117,21 @@ def start_router(
         time.sleep(0.2)
     stop_processes([proc])
     raise TimeoutError(f"router not ready in {timeout_s}s:\n{log.read_text(errors='replace')}")
+
+
+def wait_for(predicate, timeout_s: float = 30.0, poll_s: float = 0.02) -> None:
+    """Poll until `predicate()` is true; an assertion error after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(poll_s)
+
+
+def replica_busy(url: str) -> int:
+    """Running + waiting requests over a replica's dp ranks (its GetLoads), by its grpc:// URL."""
+    import grpc
+    from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+    with grpc.insecure_channel(url.removeprefix("grpc://")) as ch:
+        loads = vllm_engine_pb2_grpc.VllmEngineStub(ch).GetLoads(vllm_engine_pb2.GetLoadsRequest(), timeout=5)
+    return sum(e.num_running_reqs + e.num_waiting_reqs for e in loads.loads)

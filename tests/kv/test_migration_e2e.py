@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import grpc
 import httpx
 import pytest
-from _procs import Proc, start_replica, start_router
-from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
+from _procs import Proc, replica_busy, start_replica, start_router, wait_for
+from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2_grpc
 
 from psrl._proto import kv_migration_pb2, kv_migration_pb2_grpc, replica_control_pb2, replica_control_pb2_grpc
 from psrl.gateway.processes import stop_processes
@@ -31,10 +31,11 @@ def _stats(p: Proc) -> kv_migration_pb2.KvMigrationStats:
         return stub.GetKvMigrationStats(kv_migration_pb2.GetKvMigrationStatsRequest(), timeout=5)
 
 
-def _busy(p: Proc) -> int:
-    with grpc.insecure_channel(_target(p)) as ch:
-        loads = vllm_engine_pb2_grpc.VllmEngineStub(ch).GetLoads(vllm_engine_pb2.GetLoadsRequest(), timeout=5)
-    return sum(e.num_running_reqs + e.num_waiting_reqs for e in loads.loads)
+def _kv_router(log_dir, replicas: list[Proc], mode: str) -> Proc:
+    """A router with the routing loop and KV transfer in `mode`, least-load over `replicas`."""
+    args = ["--enable-routing-loop", "--policy", "least_load", "--kv-transfer-enable"]
+    args.append(f"--kv-transfer-transfer-mode={mode}")
+    return start_router(log_dir, [r.url for r in replicas], args=args)
 
 
 def _flush(*procs: Proc) -> None:
@@ -46,13 +47,6 @@ def _flush(*procs: Proc) -> None:
 
 def _control(p: Proc) -> replica_control_pb2_grpc.ReplicaControlStub:
     return replica_control_pb2_grpc.ReplicaControlStub(grpc.insecure_channel(_target(p)))
-
-
-def _wait_for(predicate, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
 
 
 def _generate(router: Proc, rid: str, n: int, psrl_id: int) -> httpx.Response:
@@ -74,8 +68,8 @@ def _interrupted(
     result: dict = {}
     t = threading.Thread(target=lambda: result.update(r=_generate(router, rid, n, psrl_id)), daemon=True)
     t.start()
-    _wait_for(lambda: _busy(a) + _busy(b) > 0)
-    source, dest = (a, b) if _busy(a) else (b, a)
+    wait_for(lambda: replica_busy(a.url) + replica_busy(b.url) > 0)
+    source, dest = (a, b) if replica_busy(a.url) else (b, a)
     [source_id] = [w["id"] for w in httpx.get(f"{router.url}/workers").json()["workers"] if w["url"] == source.url]
     time.sleep(1.0)  # let it decode a while
     if after_abort is not None:
@@ -99,18 +93,7 @@ def _interrupted(
 def fleet(model_dir, log_dir) -> Iterator[tuple[Proc, Proc, Proc]]:
     a = start_replica(model_dir, log_dir)
     b = start_replica(model_dir, log_dir)
-    router = start_router(
-        log_dir,
-        [a.url, b.url],
-        args=[
-            "--enable-routing-loop",
-            "--policy",
-            "least_load",
-            "--kv-transfer-enable",
-            "--kv-transfer-transfer-mode",
-            "sync",
-        ],
-    )
+    router = _kv_router(log_dir, [a, b], "sync")
     yield router, a, b
     stop_processes([router.proc, a.proc, b.proc])
 
@@ -150,17 +133,7 @@ def test_migrated_mid_decode_continues_exactly_without_prefill(fleet, reference)
 @pytest.mark.parametrize("mode", ["async", "pin_sync"])
 def test_async_and_pin_sync_modes_move_the_kv_too(fleet, mode: str, log_dir) -> None:
     _, a, b = fleet
-    router = start_router(
-        log_dir,
-        [a.url, b.url],
-        args=[
-            "--enable-routing-loop",
-            "--policy",
-            "least_load",
-            "--kv-transfer-enable",
-            f"--kv-transfer-transfer-mode={mode}",
-        ],
-    )
+    router = _kv_router(log_dir, [a, b], mode)
     try:
         reference = _generate(router, f"ref-{mode}", 2000, 10).json()
         _flush(a, b)
@@ -178,18 +151,14 @@ def test_async_and_pin_sync_modes_move_the_kv_too(fleet, mode: str, log_dir) -> 
 
 def test_back_on_its_own_replica_the_request_adopts_its_pinned_kv(model_dir, log_dir) -> None:
     replica = start_replica(model_dir, log_dir)
-    router = start_router(
-        log_dir,
-        [replica.url],
-        args=["--enable-routing-loop", "--kv-transfer-enable", "--kv-transfer-transfer-mode", "sync"],
-    )
+    router = _kv_router(log_dir, [replica], "sync")
     try:
         reference = _generate(router, "ref-own", 2000, 20).json()
         before = _stats(replica)
         result: dict = {}
         t = threading.Thread(target=lambda: result.update(r=_generate(router, "own", 2000, 21)), daemon=True)
         t.start()
-        _wait_for(lambda: _busy(replica) > 0)
+        wait_for(lambda: replica_busy(replica.url) > 0)
         time.sleep(0.5)
         control = _control(replica)
         assert list(

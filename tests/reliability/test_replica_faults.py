@@ -4,23 +4,15 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import httpx
-from _procs import start_replica, start_router
+from _procs import start_replica, start_router, wait_for
 
 from psrl.gateway.processes import stop_processes
 
 MSG = [{"role": "user", "content": "hi"}]
 SHORT = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
 LONG = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
-
-
-def _wait_for(predicate, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.1)
 
 
 def test_down_replica_is_503_and_the_other_keeps_serving(model_dir, log_dir) -> None:
@@ -67,7 +59,7 @@ def test_replica_dying_mid_stream_is_502_then_503(model_dir, log_dir) -> None:
 
         t = threading.Thread(target=long_request)
         t.start()
-        _wait_for(lambda: "num_running_reqs: 1" in _loads(a.url))
+        wait_for(lambda: "num_running_reqs: 1" in _loads(a.url))
         stop_processes([a.proc], timeout_s=0.1)
         t.join(60)
         r = result["resp"]

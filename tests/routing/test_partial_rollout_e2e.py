@@ -10,25 +10,12 @@ import time
 import grpc
 import httpx
 import pytest
-from _procs import start_replica, start_router
+from _procs import replica_busy, start_replica, start_router, wait_for
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from psrl.gateway.processes import stop_processes
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17]
-
-
-def _wait_for(predicate, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.02)
-
-
-def _running(url: str) -> int:
-    with grpc.insecure_channel(url.removeprefix("grpc://")) as ch:
-        loads = vllm_engine_pb2_grpc.VllmEngineStub(ch).GetLoads(vllm_engine_pb2.GetLoadsRequest(), timeout=5)
-    return sum(entry.num_running_reqs + entry.num_waiting_reqs for entry in loads.loads)
 
 
 def _abort(url: str, rid: str) -> None:
@@ -69,8 +56,8 @@ def test_interrupted_request_finishes_elsewhere_with_identical_tokens(fleet) -> 
         )
     )
     t.start()
-    _wait_for(lambda: _running(a.url) + _running(b.url) > 0)
-    source = a if _running(a.url) else b
+    wait_for(lambda: replica_busy(a.url) + replica_busy(b.url) > 0)
+    source = a if replica_busy(a.url) else b
     # worker ids follow the order registrations complete, not --worker-urls: look the id up by URL
     [source_id] = [w["id"] for w in httpx.get(f"{router.url}/workers").json()["workers"] if w["url"] == source.url]
     time.sleep(0.3)  # let it decode a while
@@ -102,9 +89,9 @@ def test_pause_barrier_holds_new_requests_until_resume(fleet) -> None:
         )
     )
     t.start()
-    _wait_for(lambda: httpx.get(f"{router.url}/routing_loop/status").json()["queue_len"] == 1)
+    wait_for(lambda: httpx.get(f"{router.url}/routing_loop/status").json()["queue_len"] == 1)
     time.sleep(0.3)
-    assert _running(a.url) + _running(b.url) == 0  # nothing reached a replica
+    assert replica_busy(a.url) + replica_busy(b.url) == 0  # nothing reached a replica
     assert httpx.get(f"{router.url}/routing_loop/filter?version_tag=-1").json() == [
         {"request_id": 7, "version_tag": -1, "prompt_id": 7, "is_validate": False}
     ]
@@ -125,7 +112,7 @@ def test_a_request_waits_for_its_version(fleet) -> None:
         )
     )
     t.start()
-    _wait_for(lambda: httpx.get(f"{router.url}/routing_loop/filter?version_tag=5").json() != [])
+    wait_for(lambda: httpx.get(f"{router.url}/routing_loop/filter?version_tag=5").json() != [])
     assert httpx.get(f"{router.url}/routing_loop/filter?version_tag=4").json() == []
     updates = [{"worker_id": w, "dp_rank": 0, "weight_version": 5} for w in ("0", "1")]
     assert httpx.post(f"{router.url}/workers/update_weight_version", json=updates).json()["updated"] == 2

@@ -3,24 +3,15 @@ health and circuit breaking with a replica killed and restarted, and HTTP-mode p
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import openai
 import pytest
-from _procs import free_port, start_replica, start_router
+from _procs import free_port, start_replica, start_router, wait_for
 
 from psrl.gateway.processes import stop_processes
 
 GEN = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 0, "detokenize": False}}
 ADMIN = {"Authorization": "Bearer adm"}
-
-
-def _wait_for(predicate, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -204,12 +195,12 @@ def test_health_and_recovery_with_a_replica_killed_and_restarted(model_dir, log_
     router = start_router(log_dir, [a.url, b.url], args=["--health-success-threshold", "2"])
     try:
         stop_processes([a.proc])
-        _wait_for(
+        wait_for(
             lambda: sorted(w["healthy"] for w in httpx.get(f"{router.url}/workers").json()["workers"]) == [False, True]
         )
         assert all(_gen(router).status_code == 200 for _ in range(4))  # all served by b
         a = start_replica(model_dir, log_dir, args=["--port", str(port)])
-        _wait_for(lambda: all(w["healthy"] for w in httpx.get(f"{router.url}/workers").json()["workers"]))
+        wait_for(lambda: all(w["healthy"] for w in httpx.get(f"{router.url}/workers").json()["workers"]))
         served = {_gen(router).headers["x-base-worker-id"] for _ in range(4)}
         assert len(served) == 2  # back in rotation
     finally:
@@ -273,7 +264,7 @@ def test_http_mode_proxies_plain_openai_servers(model_dir, log_dir) -> None:
             in (200, 502, 503)
             for _ in range(3)
         )
-        _wait_for(
+        wait_for(
             lambda: sorted(w["healthy"] for w in httpx.get(f"{front.url}/workers").json()["workers"]) == [False, True]
         )
         assert (
