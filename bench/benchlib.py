@@ -144,3 +144,13 @@ def environment() -> dict[str, object]:
         "git_head": rev.stdout.strip(),
         "git_dirty_psrl_files": len(dirty.stdout.splitlines()),
     }
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_s() -> float:
+    """Non-idle CPU seconds of the whole machine since boot, all cores (/proc/stat)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / CLK_TCK

@@ -59,7 +59,16 @@ from pathlib import Path
 
 import grpc
 import httpx
-from benchlib import Procs, environment, free_port, install_signal_handlers, log_tail, wait_for_log
+from benchlib import (
+    CLK_TCK,
+    Procs,
+    environment,
+    free_port,
+    install_signal_handlers,
+    log_tail,
+    machine_busy_s,
+    wait_for_log,
+)
 
 from psrl._proto import replica_control_pb2 as rc
 from psrl._proto import replica_control_pb2_grpc as rc_grpc
@@ -68,7 +77,6 @@ from psrl.coordinator import ReplicaHandle, RolloutCoordinator
 REPO = Path(__file__).resolve().parent.parent
 OUT_DIR = REPO / "bench" / "out"
 HOST = "127.0.0.1"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 STRATEGIES: dict[str, str] = {
     "a": "(a) partial rollout",
@@ -408,12 +416,6 @@ def percentile(values: list[float], q: float) -> float:
     k = (len(ordered) - 1) * q
     lo, hi = math.floor(k), math.ceil(k)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
-def machine_busy_s() -> float:
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
-    return (user + nice + system + irq + softirq + steal) / CLK_TCK
 
 
 def tree_cpu_s(roots: list[int]) -> float:

@@ -52,12 +52,20 @@ from pathlib import Path
 from typing import Any
 
 import benchlib
-from benchlib import Procs, free_port, install_signal_handlers, log_tail, signal_group, wait_for_log
+from benchlib import (
+    CLK_TCK,
+    Procs,
+    free_port,
+    install_signal_handlers,
+    log_tail,
+    machine_busy_s,
+    signal_group,
+    wait_for_log,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 OUT_DIR = REPO / "bench" / "out"
 HOST = "127.0.0.1"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 HTTP_MODEL = "bench-model"  # what bench/fast_backend.py serves
 ROUTER_CPUS: set[int] = set()  # --pin: the routers' CPUs (everything else keeps the bench's, the rest)
 
@@ -219,13 +227,6 @@ class CpuMeter:
         after = self._sample()
         ticks = sum(t - self.before.get(pid, 0) for pid, t in after.items())
         return ticks / CLK_TCK
-
-
-def machine_busy_s() -> float:
-    """Non-idle CPU seconds of the whole machine since boot, all cores (/proc/stat)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
-    return (user + nice + system + irq + softirq + steal) / CLK_TCK
 
 
 def own_cpu_s() -> float:
