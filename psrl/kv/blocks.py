@@ -23,6 +23,7 @@ import psrl._kvx as _kvx  # native module; mypy treats it as untyped
 __all__ = [
     "HAS_CUDA",
     "KVCacheLayout",
+    "KVLayoutMismatchError",
     "buffer_shape",
     "describe_kv_cache",
     "gather_blocks",
@@ -247,14 +248,21 @@ def _last_block_tokens(num_tokens: int | None, num_ids: int, block_size: int) ->
     return num_tokens - (num_ids - 1) * block_size
 
 
+class KVLayoutMismatchError(ValueError):
+    """A transfer buffer that does not fit the caches: another shape (layers, heads, block size, block count)
+    or dtype. Raised wherever a buffer meets caches, so every channel reports it the same way."""
+
+
 def _check_buffer(buffer: _TensorView, layout: KVCacheLayout, num_ids: int, name: str) -> None:
     if buffer.cuda_device != layout.cuda_device:
         raise ValueError(f"{name}: lives in {_where(buffer.cuda_device)}, the cache in {_where(layout.cuda_device)}")
     expected = layout.buffer_shape(num_ids)
     if buffer.shape != expected:
-        raise ValueError(f"{name}: shape {list(buffer.shape)} does not match expected {list(expected)}")
+        raise KVLayoutMismatchError(
+            f"{name}: shape {list(buffer.shape)}, but these caches and {num_ids} block ids need {list(expected)}"
+        )
     if buffer.dtype != layout.dtype:
-        raise ValueError(f"{name}: dtype {buffer.dtype} differs from the cache dtype {layout.dtype}")
+        raise KVLayoutMismatchError(f"{name}: dtype {buffer.dtype} differs from the cache dtype {layout.dtype}")
     if not _is_contiguous(buffer.shape, buffer.strides):
         raise ValueError(f"{name}: must be contiguous")
 
@@ -323,11 +331,11 @@ def gather_blocks(
     """
     layout = describe_kv_cache(layer_caches)
     ids = _as_block_ids(block_ids)
-    last_block_tokens = _last_block_tokens(num_tokens, len(ids), layout.block_size)
     if out is None:
         out = _new_buffer(layer_caches[0], layout.buffer_shape(len(ids)))
     buffer = _view(out, "out")
     _check_buffer(buffer, layout, len(ids), "out")
+    last_block_tokens = _last_block_tokens(num_tokens, len(ids), layout.block_size)
     if not buffer.writeable:
         raise ValueError("out: array is read-only")
     _copy(layout, ids, buffer, True, num_threads, stream, last_block_tokens)
@@ -352,9 +360,9 @@ def scatter_blocks(
         if isinstance(cache, np.ndarray) and not cache.flags.writeable:
             raise ValueError(f"layer_caches[{i}]: array is read-only")
     ids = _as_block_ids(block_ids)
-    last_block_tokens = _last_block_tokens(num_tokens, len(ids), layout.block_size)
     view = _view(buffer, "buffer")
     _check_buffer(view, layout, len(ids), "buffer")
+    last_block_tokens = _last_block_tokens(num_tokens, len(ids), layout.block_size)
     _copy(layout, ids, view, False, num_threads, stream, last_block_tokens)
 
 

@@ -45,6 +45,7 @@ from psrl.kv.blocks import (
     ArrayLike,
     BlockIds,
     KVCacheLayout,
+    KVLayoutMismatchError,
     describe_kv_cache,
     gather_blocks,
     scatter_blocks,
@@ -96,10 +97,6 @@ class ShmSegmentNotFoundError(KVChannelError, FileNotFoundError):
 
 class ShmSizeMismatchError(KVChannelError, ValueError):
     """The segment's size differs from what its transfer descriptor says: a stale or foreign segment."""
-
-
-class KVLayoutMismatchError(KVChannelError, ValueError):
-    """A transfer's buffer shape or dtype does not fit the caches or block ids it is used with."""
 
 
 class CudaUnavailableError(KVChannelError, RuntimeError):
@@ -161,17 +158,6 @@ class ShmTransfer:
             dtype=str(data["dtype"]),
             num_tokens=None if num_tokens is None else int(num_tokens),
         )
-
-
-def _check_fits(transfer_shape: Sequence[int], dtype: str, layout: KVCacheLayout, num_ids: int, what: str) -> None:
-    expected = layout.buffer_shape(num_ids)
-    if tuple(transfer_shape) != expected:
-        raise KVLayoutMismatchError(
-            f"{what}: the transfer holds a buffer of shape {list(transfer_shape)}, but these caches and "
-            f"{num_ids} block ids need {list(expected)}"
-        )
-    if dtype != layout.dtype:
-        raise KVLayoutMismatchError(f"{what}: the transfer holds {dtype}, the caches are {layout.dtype}")
 
 
 def _host_view(buffer: Any, shape: tuple[int, ...], dtype: str, like: ArrayLike | None) -> ArrayLike:
@@ -278,21 +264,15 @@ class ShmChannel:
 
     def gather(self, layer_caches: Sequence[ArrayLike], block_ids: BlockIds, *, num_threads: int | None = None) -> None:
         """Gather blocks of host caches straight into the segment (num_tokens from the transfer)."""
-        layout = describe_kv_cache(layer_caches)
-        ids = np.asarray(block_ids)
-        _check_fits(self._transfer.shape, self._transfer.dtype, layout, len(ids), "gather")
         out = self.buffer(layer_caches[0])
-        gather_blocks(layer_caches, ids, out=out, num_threads=num_threads, num_tokens=self._transfer.num_tokens)
+        gather_blocks(layer_caches, block_ids, out=out, num_threads=num_threads, num_tokens=self._transfer.num_tokens)
 
     def scatter(
         self, layer_caches: Sequence[ArrayLike], block_ids: BlockIds, *, num_threads: int | None = None
     ) -> None:
         """Scatter the segment straight into blocks ``block_ids`` of host caches."""
-        layout = describe_kv_cache(layer_caches)
-        ids = np.asarray(block_ids)
-        _check_fits(self._transfer.shape, self._transfer.dtype, layout, len(ids), "scatter")
         buffer = self.buffer(layer_caches[0])
-        scatter_blocks(buffer, layer_caches, ids, num_threads=num_threads, num_tokens=self._transfer.num_tokens)
+        scatter_blocks(buffer, layer_caches, block_ids, num_threads=num_threads, num_tokens=self._transfer.num_tokens)
 
     # teardown
 
@@ -564,23 +544,21 @@ class CudaIpcBuffer:
     def scatter(self, layer_caches: Sequence[ArrayLike], block_ids: BlockIds, *, stream: int | None = None) -> Any:
         """Scatter the peer's buffer into ``block_ids`` of local CUDA caches with one kernel reading peer
         memory, after the exporter's event; returns a CudaEvent recorded after the kernel."""
-        layout = describe_kv_cache(layer_caches)
-        ids = np.asarray(block_ids)
-        _check_fits(self.descriptor.shape, self.descriptor.dtype, layout, len(ids), "scatter")
         cuda_stream = _torch_stream(self.device, stream)
         self.wait(cuda_stream)
-        scatter_blocks(self.as_array(), layer_caches, ids, stream=cuda_stream, num_tokens=self.descriptor.num_tokens)
+        scatter_blocks(
+            self.as_array(), layer_caches, block_ids, stream=cuda_stream, num_tokens=self.descriptor.num_tokens
+        )
         return self._done_event(cuda_stream)
 
     def gather(self, layer_caches: Sequence[ArrayLike], block_ids: BlockIds, *, stream: int | None = None) -> Any:
         """Gather ``block_ids`` of local CUDA caches straight into the peer's buffer (one kernel writing peer
         memory); returns a CudaEvent recorded after the kernel."""
-        layout = describe_kv_cache(layer_caches)
-        ids = np.asarray(block_ids)
-        _check_fits(self.descriptor.shape, self.descriptor.dtype, layout, len(ids), "gather")
         cuda_stream = _torch_stream(self.device, stream)
         self.wait(cuda_stream)
-        gather_blocks(layer_caches, ids, out=self.as_array(), stream=cuda_stream, num_tokens=self.descriptor.num_tokens)
+        gather_blocks(
+            layer_caches, block_ids, out=self.as_array(), stream=cuda_stream, num_tokens=self.descriptor.num_tokens
+        )
         return self._done_event(cuda_stream)
 
     def copy_to(self, tensor: Any, *, stream: int | None = None) -> Any:
