@@ -37,7 +37,9 @@ HAS_CUDA: bool = bool(_kvx.HAS_CUDA)
 ArrayLike = Any
 BlockIds = Sequence[int] | npt.NDArray[np.integer] | Any
 
-_SUPPORTED_ITEMSIZES = (2, 4)
+# The dtypes the copies move (by element size: the copies never look at the values).
+DTYPE_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+_SUPPORTED_ITEMSIZES = frozenset(DTYPE_ITEMSIZE.values())
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ import numpy as np
 
 import psrl._kvx as _kvx  # native module; mypy treats it as untyped
 from psrl.kv.blocks import (
+    DTYPE_ITEMSIZE,
     HAS_CUDA,
     ArrayLike,
     BlockIds,
@@ -80,7 +81,6 @@ NcclUnavailableError: type[RuntimeError] = _kvx.NcclUnavailableError
 CudaEvent: Any = getattr(_kvx, "CudaEvent", None)  # None in a build without CUDA
 
 _SEGMENT_PREFIX = "psrl-kv"
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 _BITS_DTYPE = {2: np.int16, 4: np.int32}  # numpy view of a dtype numpy may lack (bf16)
 
 
@@ -128,15 +128,15 @@ class ShmTransfer:
     num_tokens: int | None = None  # tokens the blocks hold (None: all full); see psrl.kv.gather_blocks
 
     def __post_init__(self) -> None:
-        if self.dtype not in _ITEMSIZE:
-            raise ValueError(f"unsupported dtype {self.dtype!r}: expected one of {sorted(_ITEMSIZE)}")
+        if self.dtype not in DTYPE_ITEMSIZE:
+            raise ValueError(f"unsupported dtype {self.dtype!r}: expected one of {sorted(DTYPE_ITEMSIZE)}")
         if len(self.shape) != 6 or any(int(n) < 0 for n in self.shape) or int(self.shape[1]) != 2:
             raise ValueError(f"shape {list(self.shape)} is not [num_layers, 2, num_ids, block_size, heads, head_size]")
         object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
 
     @property
     def itemsize(self) -> int:
-        return _ITEMSIZE[self.dtype]
+        return DTYPE_ITEMSIZE[self.dtype]
 
     @property
     def num_ids(self) -> int:
@@ -169,7 +169,7 @@ def _host_view(buffer: Any, shape: tuple[int, ...], dtype: str, like: ArrayLike 
     torch = sys.modules.get("torch")
     if torch is None:
         raise KVLayoutMismatchError(f"a {dtype} buffer needs torch (numpy has no such dtype); import torch first")
-    bits = np.frombuffer(buffer, dtype=_BITS_DTYPE[_ITEMSIZE[dtype]])
+    bits = np.frombuffer(buffer, dtype=_BITS_DTYPE[DTYPE_ITEMSIZE[dtype]])
     # torch.from_numpy keeps the numpy array, which keeps the buffer export, alive as long as the tensor.
     return torch.from_numpy(bits).view(getattr(torch, dtype)).reshape(shape)
 
@@ -382,7 +382,7 @@ class DeviceArray:
         return self.ptr
 
     def element_size(self) -> int:
-        return _ITEMSIZE[self.dtype]
+        return DTYPE_ITEMSIZE[self.dtype]
 
     def stride(self) -> tuple[int, ...]:
         strides, step = [], 1
@@ -420,7 +420,7 @@ class CudaIpcDescriptor:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _ITEMSIZE[self.dtype]
+        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
 
     def to_dict(self) -> dict[str, Any]:
         return {
