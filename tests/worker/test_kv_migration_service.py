@@ -34,6 +34,14 @@ def _engine() -> AsyncEngine:
     return AsyncEngine(engine)
 
 
+async def _abort(engine: AsyncEngine, request_id: str, stream: AsyncIterator[object]) -> None:
+    """Abort and read the stream to its end: the abort notice comes after any forward that was in flight, so
+    the blocks the abort freed behind that forward are free by then."""
+    assert await engine.abort(request_id)
+    async for _ in stream:
+        pass
+
+
 @pytest.fixture
 async def source() -> AsyncIterator[tuple[str, KvMigrationServicer]]:
     servicer = KvMigrationServicer([_engine()])
@@ -79,7 +87,7 @@ async def test_pull_moves_the_pinned_prefix_and_falls_back_when_the_source_is_go
     async with grpc.aio.insecure_channel(target) as ch:
         pinned = await pb_grpc.KvMigrationStub(ch).PinKv(pb.PinKvRequest(request_id="r", ttl_ms=10_000))
     assert pinned.num_tokens >= len(PROMPT)
-    await src.abort("r")
+    await _abort(src, "r", stream)
     dest = _engine()
     puller = KvPuller(servicer.counters, "127.0.0.1:1")
     try:
@@ -135,7 +143,7 @@ async def test_what_the_destination_holds_already_is_not_moved(source) -> None:
     await stream.__anext__()
     async with grpc.aio.insecure_channel(target) as ch:
         await pb_grpc.KvMigrationStub(ch).PinKv(pb.PinKvRequest(request_id="r", ttl_ms=10_000))
-    await src.abort("r")
+    await _abort(src, "r", stream)
     dest = _engine()
     warm = dest.generate("w", prompt[:40], SamplingOptions(temperature=0.0, max_tokens=1))
     async for _ in warm:  # the destination's prefix cache now holds the first 2 full blocks (32 tokens)
@@ -184,7 +192,7 @@ async def test_transfer_ranges_the_peer_already_holds_are_refused(source) -> Non
     async with grpc.aio.insecure_channel(target) as ch:
         stub = pb_grpc.KvMigrationStub(ch)
         await stub.PinKv(pb.PinKvRequest(request_id="r", ttl_ms=10_000))
-        await src.abort("r")
+        await _abort(src, "r", stream)
         used = src.engine.num_used_blocks
         reply = await stub.TransferKv(pb.TransferKvRequest(request_id="r", token_ids=PROMPT, start_token=5))
         assert reply.num_tokens == 0 and "not block-aligned" in reply.reason
