@@ -14,6 +14,12 @@ from typing import Any
 from psrl.apis.common import ApiShapeError, chat_tools
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    429: "rate_limit_error",
+}
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -112,65 +118,140 @@ def messages_to_chat(body: dict[str, Any]) -> dict[str, Any]:
     return chat
 
 
+def message_base(*, message_id: str, model: str | None, input_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """A message as it starts: no content, no stop reason, no output tokens yet."""
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": input_tokens, "output_tokens": 0, "cache_read_input_tokens": cached_tokens},
+    }
+
+
+def message_id_of(chat_id: str) -> str:
+    return chat_id.replace("chatcmpl", "msg", 1) or f"msg_{uuid.uuid4().hex}"
+
+
+def stop_reason_of(finish_reason: str | None) -> str:
+    return _STOP_REASONS.get(finish_reason or "stop", "end_turn")
+
+
+def tool_input_of(arguments: str | None) -> dict[str, Any]:
+    """A chat tool call's JSON arguments as a tool_use block's `input` (an object, whatever the model wrote)."""
+    try:
+        tool_input = json.loads(arguments or "{}")
+    except ValueError:
+        return {}
+    return tool_input if isinstance(tool_input, dict) else {"value": tool_input}
+
+
 def chat_to_message(completion: dict[str, Any]) -> dict[str, Any]:
     """The Messages response for a finished chat completion."""
     choice = (completion.get("choices") or [{}])[0]
     message = choice.get("message") or {}
-    content: list[dict[str, Any]] = []
+    usage = completion.get("usage") or {}
+    base = message_base(
+        message_id=message_id_of(completion.get("id", "")),
+        model=completion.get("model"),
+        input_tokens=usage.get("prompt_tokens", 0),
+        cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+    )
+    stream = MessageStream(base)  # builds the content blocks as a stream of this message would
     if message.get("reasoning_content"):
-        content.append({"type": "thinking", "thinking": message["reasoning_content"], "signature": ""})
+        stream.thinking(message["reasoning_content"])
     if message.get("content"):
-        content.append({"type": "text", "text": message["content"]})
+        stream.text(message["content"])
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
-        try:
-            tool_input = json.loads(function.get("arguments") or "{}")
-        except ValueError:
-            tool_input = {}
-        if not isinstance(tool_input, dict):
-            tool_input = {"value": tool_input}
-        content.append({"type": "tool_use", "id": call.get("id"), "name": function.get("name"), "input": tool_input})
-    usage = completion.get("usage") or {}
-    return {
-        "id": completion.get("id", "").replace("chatcmpl", "msg", 1) or f"msg_{uuid.uuid4().hex}",
-        "type": "message",
-        "role": "assistant",
-        "model": completion.get("model"),
-        "content": content,
-        "stop_reason": _STOP_REASONS.get(choice.get("finish_reason") or "stop", "end_turn"),
-        "stop_sequence": None,
-        "usage": {
-            "input_tokens": usage.get("prompt_tokens", 0),
-            "output_tokens": usage.get("completion_tokens", 0),
-            "cache_read_input_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
-        },
-    }
+        stream.tool_use(call.get("id"), function.get("name"), tool_input_of(function.get("arguments")))
+    stream.finish(stop_reason_of(choice.get("finish_reason")), usage.get("completion_tokens", 0))
+    return stream.message
 
 
-def _frame(kind: str, **fields: Any) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, separators=(',', ':'))}\n\n"
+class MessageStream:
+    """Anthropic's event sequence, written as the output arrives: `start` (message_start), each content block
+    as it opens (content_block_start), grows (text, thinking or input_json deltas) and closes
+    (content_block_stop), then `finish` (message_delta with the stop reason and output tokens, message_stop).
+    `message` is the message as streamed so far."""
+
+    def __init__(self, base: dict[str, Any]) -> None:
+        self.message: dict[str, Any] = {**base, "content": []}
+        self._open: str | None = None  # the type of the block taking deltas ("text" or "thinking")
+
+    @staticmethod
+    def _frame(kind: str, **fields: Any) -> str:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields}, separators=(',', ':'))}\n\n"
+
+    def start(self) -> list[str]:
+        return [self._frame("message_start", message=self.message)]
+
+    def _close(self) -> list[str]:
+        if self._open is None:
+            return []
+        self._open = None
+        return [self._frame("content_block_stop", index=len(self.message["content"]) - 1)]
+
+    def _delta(self, kind: str, field: str, text: str) -> list[str]:
+        frames: list[str] = []
+        if self._open != kind:
+            frames += self._close()
+            start = {"type": kind, field: ""} if kind == "text" else {"type": kind, field: "", "signature": ""}
+            self.message["content"].append(dict(start))
+            self._open = kind
+            frames.append(
+                self._frame("content_block_start", index=len(self.message["content"]) - 1, content_block=start)
+            )
+        self.message["content"][-1][field] += text
+        delta = {"type": f"{kind}_delta", field: text}
+        frames.append(self._frame("content_block_delta", index=len(self.message["content"]) - 1, delta=delta))
+        return frames
+
+    def text(self, text: str) -> list[str]:
+        return self._delta("text", "text", text)
+
+    def thinking(self, text: str) -> list[str]:
+        return self._delta("thinking", "thinking", text)
+
+    def tool_use(self, tool_use_id: str | None, name: str | None, tool_input: dict[str, Any]) -> list[str]:
+        frames = self._close()
+        block = {"type": "tool_use", "id": tool_use_id, "name": name, "input": tool_input}
+        self.message["content"].append(block)
+        index = len(self.message["content"]) - 1
+        delta = {"type": "input_json_delta", "partial_json": json.dumps(tool_input, ensure_ascii=False)}
+        frames.append(self._frame("content_block_start", index=index, content_block={**block, "input": {}}))
+        frames.append(self._frame("content_block_delta", index=index, delta=delta))
+        frames.append(self._frame("content_block_stop", index=index))
+        return frames
+
+    def finish(self, stop_reason: str, output_tokens: int) -> list[str]:
+        frames = self._close()
+        self.message["stop_reason"] = stop_reason
+        self.message["usage"] = {**self.message["usage"], "output_tokens": output_tokens}
+        stop = {"stop_reason": stop_reason, "stop_sequence": None}
+        frames.append(self._frame("message_delta", delta=stop, usage={"output_tokens": output_tokens}))
+        frames.append(self._frame("message_stop"))
+        return frames
+
+    def error(self, message: str, status: int) -> list[str]:
+        """The stream's end when the generation failed (with HTTP `status`) after the message started."""
+        kind = _ERROR_TYPES.get(status, "overloaded_error" if status in (503, 529) else "api_error")
+        return [self._frame("error", error={"type": kind, "message": message})]
 
 
 def message_sse_events(message: dict[str, Any]) -> list[str]:
-    """Anthropic's stream for a finished message: message_start, each content block (start, delta, stop),
-    message_delta with the stop reason and output tokens, message_stop."""
-    usage = message["usage"]
-    opening = {**message, "content": [], "stop_reason": None, "usage": {**usage, "output_tokens": 0}}
-    frames = [_frame("message_start", message=opening)]
-    for index, block in enumerate(message["content"]):
-        start: dict[str, Any]
+    """Anthropic's stream for a finished message (see MessageStream)."""
+    stream = MessageStream({**message, "stop_reason": None, "usage": {**message["usage"], "output_tokens": 0}})
+    frames = stream.start()
+    for block in message["content"]:
         if block["type"] == "text":
-            start, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
+            frames += stream.text(block["text"])
         elif block["type"] == "thinking":
-            start = {"type": "thinking", "thinking": "", "signature": ""}
-            delta = {"type": "thinking_delta", "thinking": block["thinking"]}
+            frames += stream.thinking(block["thinking"])
         else:
-            start = {**block, "input": {}}
-            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}
-        frames.append(_frame("content_block_start", index=index, content_block=start))
-        frames.append(_frame("content_block_delta", index=index, delta=delta))
-        frames.append(_frame("content_block_stop", index=index))
-    stop = {"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]}
-    frames.append(_frame("message_delta", delta=stop, usage={"output_tokens": usage["output_tokens"]}))
-    frames.append(_frame("message_stop"))
+            frames += stream.tool_use(block.get("id"), block.get("name"), block.get("input") or {})
+    frames += stream.finish(message["stop_reason"], message["usage"]["output_tokens"])
     return frames

@@ -119,8 +119,9 @@ def responses_to_chat(body: dict[str, Any]) -> dict[str, Any]:
     return chat
 
 
-def _output_logprobs(choice: dict[str, Any]) -> list[dict[str, Any]] | None:
-    content = (choice.get("logprobs") or {}).get("content")
+def output_logprobs(chat_logprobs: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+    """A chat choice's `logprobs` as an output_text part's `logprobs`."""
+    content = (chat_logprobs or {}).get("content")
     if content is None:
         return None
     return [
@@ -137,54 +138,18 @@ def _output_logprobs(choice: dict[str, Any]) -> list[dict[str, Any]] | None:
     ]
 
 
-def chat_to_response(completion: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
-    """The Responses object for a finished chat completion of `request` (the Responses body)."""
-    choice = (completion.get("choices") or [{}])[0]
-    message = choice.get("message") or {}
-    output: list[dict[str, Any]] = []
-    if message.get("reasoning_content"):
-        output.append(
-            {
-                "type": "reasoning",
-                "id": _new_id("rs"),
-                "summary": [],
-                "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}],
-                "status": "completed",
-            }
-        )
-    if message.get("content"):
-        part: dict[str, Any] = {"type": "output_text", "text": message["content"], "annotations": []}
-        logprobs = _output_logprobs(choice)
-        if logprobs is not None:
-            part["logprobs"] = logprobs
-        output.append(
-            {"type": "message", "id": _new_id("msg"), "status": "completed", "role": "assistant", "content": [part]}
-        )
-    for call in message.get("tool_calls") or []:
-        function = call.get("function") or {}
-        output.append(
-            {
-                "type": "function_call",
-                "id": _new_id("fc"),
-                "call_id": call.get("id"),
-                "name": function.get("name"),
-                "arguments": function.get("arguments", "{}"),
-                "status": "completed",
-            }
-        )
-    cut = choice.get("finish_reason") == "length"
-    usage = completion.get("usage") or {}
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+def response_base(request: dict[str, Any], *, response_id: str, created: int, model: str | None) -> dict[str, Any]:
+    """A response to `request` (the Responses body) as it starts: in progress, no output, no usage yet."""
     return {
-        "id": completion.get("id", "").replace("chatcmpl", "resp", 1) or _new_id("resp"),
+        "id": response_id,
         "object": "response",
-        "created_at": completion.get("created", 0),
-        "status": "incomplete" if cut else "completed",
-        "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+        "created_at": created,
+        "status": "in_progress",
+        "incomplete_details": None,
         "error": None,
-        "model": completion.get("model"),
+        "model": model,
         "instructions": request.get("instructions"),
-        "output": output,
+        "output": [],
         "parallel_tool_calls": request.get("parallel_tool_calls", True),
         "tool_choice": request.get("tool_choice", "auto"),
         "tools": request.get("tools") or [],
@@ -196,62 +161,173 @@ def chat_to_response(completion: dict[str, Any], request: dict[str, Any]) -> dic
         "text": {"format": {"type": "text"}},
         "truncation": "disabled",
         "metadata": request.get("metadata") or {},
+        "usage": None,
+    }
+
+
+def response_outcome(finish_reason: str | None, chat_usage: dict[str, Any]) -> dict[str, Any]:
+    """The fields a finished generation sets on its response: status, incomplete_details, usage."""
+    cut = finish_reason == "length"
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {
+        "status": "incomplete" if cut else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
         "usage": {
-            "input_tokens": usage.get("prompt_tokens", 0),
+            "input_tokens": chat_usage.get("prompt_tokens", 0),
             "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": usage.get("completion_tokens", 0),
+            "output_tokens": chat_usage.get("completion_tokens", 0),
             "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": usage.get("total_tokens", 0),
+            "total_tokens": chat_usage.get("total_tokens", 0),
         },
     }
 
 
-class _Events:
-    """Numbered `event: <type>` SSE frames."""
-
-    def __init__(self) -> None:
-        self.frames: list[str] = []
-
-    def emit(self, kind: str, **fields: Any) -> None:
-        payload = {"type": kind, "sequence_number": len(self.frames), **fields}
-        self.frames.append(f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n")
+def response_id_of(chat_id: str) -> str:
+    return chat_id.replace("chatcmpl", "resp", 1) or _new_id("resp")
 
 
-def _opened(item: dict[str, Any]) -> dict[str, Any]:
-    """An output item as `response.output_item.added` announces it: in progress, nothing generated yet."""
-    if item["type"] == "message":
-        return {**item, "status": "in_progress", "content": []}
-    if item["type"] == "function_call":
-        return {**item, "status": "in_progress", "arguments": ""}
-    return {**item, "status": "in_progress", "content": []}
+def chat_to_response(completion: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
+    """The Responses object for a finished chat completion of `request` (the Responses body)."""
+    choice = (completion.get("choices") or [{}])[0]
+    message = choice.get("message") or {}
+    base = response_base(
+        request,
+        response_id=response_id_of(completion.get("id", "")),
+        created=completion.get("created", 0),
+        model=completion.get("model"),
+    )
+    stream = ResponseStream(base)  # builds the output items as a stream of this response would
+    if message.get("reasoning_content"):
+        stream.reasoning(message["reasoning_content"])
+    if message.get("content"):
+        stream.text(message["content"], output_logprobs(choice.get("logprobs")))
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        stream.function_call(call.get("id"), function.get("name"), function.get("arguments", "{}"))
+    stream.finish(response_outcome(choice.get("finish_reason"), completion.get("usage") or {}))
+    return stream.response
+
+
+class ResponseStream:
+    """The Responses event sequence, written as the output arrives: `start` (created, in_progress), then each
+    output item as it opens (added), grows (text, reasoning or arguments deltas) and closes (dones), then
+    `finish` (completed, or incomplete). Consecutive text goes to one message item, consecutive reasoning to
+    one reasoning item; a function call is an item of its own. `response` is the object as streamed so far."""
+
+    def __init__(self, base: dict[str, Any]) -> None:
+        self.response: dict[str, Any] = {**base, "status": "in_progress", "output": []}
+        self._open: dict[str, Any] | None = None  # the message or reasoning item taking deltas
+        self._seq = 0
+
+    def _emit(self, kind: str, **fields: Any) -> str:
+        payload = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+    def _ids(self) -> dict[str, Any]:
+        output = self.response["output"]
+        return {"item_id": output[-1]["id"], "output_index": len(output) - 1}
+
+    def start(self) -> list[str]:
+        return [
+            self._emit("response.created", response=self.response),
+            self._emit("response.in_progress", response=self.response),
+        ]
+
+    def _add(self, item: dict[str, Any], announced: dict[str, Any], *, take_deltas: bool = True) -> list[str]:
+        """Close the open item and announce `item` (as `announced`); it takes the deltas that follow."""
+        frames = self._close()
+        self.response["output"].append(item)
+        self._open = item if take_deltas else None
+        index = len(self.response["output"]) - 1
+        frames.append(self._emit("response.output_item.added", output_index=index, item=announced))
+        return frames
+
+    def _close(self) -> list[str]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        ids = self._ids()
+        part = item["content"][0]
+        if item["type"] == "message":
+            lps = part.get("logprobs") or []
+            frames = [
+                self._emit("response.output_text.done", **ids, content_index=0, text=part["text"], logprobs=lps),
+                self._emit("response.content_part.done", **ids, content_index=0, part=part),
+            ]
+        else:
+            frames = [self._emit("response.reasoning_text.done", **ids, content_index=0, text=part["text"])]
+        item["status"] = "completed"
+        frames.append(self._emit("response.output_item.done", output_index=ids["output_index"], item=item))
+        return frames
+
+    def text(
+        self, delta: str, logprobs: list[dict[str, Any]] | None = None, *, item_id: str | None = None
+    ) -> list[str]:
+        """Output text (with its tokens' log-probs when the request asked for them)."""
+        frames: list[str] = []
+        if self._open is None or self._open["type"] != "message":
+            item = {"type": "message", "id": item_id or _new_id("msg"), "status": "in_progress", "role": "assistant"}
+            empty = {"type": "output_text", "text": "", "annotations": []}
+            frames += self._add({**item, "content": [dict(empty)]}, {**item, "content": []})
+            frames.append(self._emit("response.content_part.added", **self._ids(), content_index=0, part=empty))
+        part = self.response["output"][-1]["content"][0]
+        part["text"] += delta
+        if logprobs is not None:
+            part.setdefault("logprobs", []).extend(logprobs)
+        lps = logprobs or []
+        frames.append(
+            self._emit("response.output_text.delta", **self._ids(), content_index=0, delta=delta, logprobs=lps)
+        )
+        return frames
+
+    def reasoning(self, delta: str, *, item_id: str | None = None) -> list[str]:
+        frames: list[str] = []
+        if self._open is None or self._open["type"] != "reasoning":
+            item = {"type": "reasoning", "id": item_id or _new_id("rs"), "summary": [], "status": "in_progress"}
+            frames += self._add({**item, "content": [{"type": "reasoning_text", "text": ""}]}, {**item, "content": []})
+        self.response["output"][-1]["content"][0]["text"] += delta
+        frames.append(self._emit("response.reasoning_text.delta", **self._ids(), content_index=0, delta=delta))
+        return frames
+
+    def function_call(
+        self, call_id: str | None, name: str | None, arguments: str, *, item_id: str | None = None
+    ) -> list[str]:
+        item = {"type": "function_call", "id": item_id or _new_id("fc"), "call_id": call_id, "name": name}
+        done = {**item, "arguments": arguments, "status": "completed"}
+        frames = self._add(done, {**item, "arguments": "", "status": "in_progress"}, take_deltas=False)
+        ids = self._ids()
+        frames.append(self._emit("response.function_call_arguments.delta", **ids, delta=arguments))
+        frames.append(self._emit("response.function_call_arguments.done", **ids, arguments=arguments))
+        frames.append(self._emit("response.output_item.done", output_index=ids["output_index"], item=done))
+        return frames
+
+    def finish(self, outcome: dict[str, Any]) -> list[str]:
+        """Close the open item and end with `outcome` (see response_outcome) applied to the response."""
+        frames = self._close()
+        self.response.update(outcome)
+        final = "response.incomplete" if self.response["status"] == "incomplete" else "response.completed"
+        frames.append(self._emit(final, response=self.response))
+        return frames
+
+    def error(self, message: str, code: str | None = None, param: str | None = None) -> list[str]:
+        """The stream's end when the generation failed after the response started."""
+        return [self._emit("error", code=code, message=message, param=param)]
 
 
 def response_sse_events(response: dict[str, Any]) -> list[str]:
-    """The Responses stream for a finished response: created, in_progress, each output item (added, its
-    part/text/arguments deltas and dones, done), then completed (or incomplete)."""
-    ev = _Events()
-    pending = {**response, "status": "in_progress", "incomplete_details": None, "output": []}
-    ev.emit("response.created", response=pending)
-    ev.emit("response.in_progress", response=pending)
-    for index, item in enumerate(response["output"]):
-        ev.emit("response.output_item.added", output_index=index, item=_opened(item))
-        ids = {"item_id": item["id"], "output_index": index}
+    """The Responses stream for a finished response (see ResponseStream), with the response's own item ids."""
+    stream = ResponseStream({**response, "usage": None, "incomplete_details": None})
+    frames = stream.start()
+    for item in response["output"]:
         if item["type"] == "message":
-            for c, part in enumerate(item["content"]):
-                empty = {"type": "output_text", "text": "", "annotations": []}
-                ev.emit("response.content_part.added", **ids, content_index=c, part=empty)
-                lps = part.get("logprobs") or []
-                ev.emit("response.output_text.delta", **ids, content_index=c, delta=part["text"], logprobs=lps)
-                ev.emit("response.output_text.done", **ids, content_index=c, text=part["text"], logprobs=lps)
-                ev.emit("response.content_part.done", **ids, content_index=c, part=part)
+            for part in item["content"]:
+                frames += stream.text(part["text"], part.get("logprobs"), item_id=item["id"])
         elif item["type"] == "function_call":
-            ev.emit("response.function_call_arguments.delta", **ids, delta=item["arguments"])
-            ev.emit("response.function_call_arguments.done", **ids, arguments=item["arguments"])
+            arguments = item.get("arguments", "{}")
+            frames += stream.function_call(item.get("call_id"), item.get("name"), arguments, item_id=item["id"])
         else:
-            for c, part in enumerate(item.get("content") or []):
-                ev.emit("response.reasoning_text.delta", **ids, content_index=c, delta=part["text"])
-                ev.emit("response.reasoning_text.done", **ids, content_index=c, text=part["text"])
-        ev.emit("response.output_item.done", output_index=index, item=item)
-    final = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-    ev.emit(final, response=response)
-    return ev.frames
+            for part in item.get("content") or []:
+                frames += stream.reasoning(part["text"], item_id=item["id"])
+    frames += stream.finish({k: response[k] for k in ("status", "incomplete_details", "usage")})
+    return frames

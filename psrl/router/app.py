@@ -40,8 +40,8 @@ from psrl.router.pipeline.context import Generation, GenerationInput
 from psrl.router.pipeline.execute import Delta
 from psrl.router.pipeline.prepare import chat_prompt_ids, new_request_id, text_prompt_ids
 from psrl.router.pipeline.select import resolve_model
-from psrl.router.pipeline.stream import sse_stream
-from psrl.router.pipeline.tool_calls import ParsedOutput, make_tool_parser
+from psrl.router.pipeline.stream import ApiWriter, MessagesWriter, ResponsesWriter, api_stream, sse_stream
+from psrl.router.pipeline.tool_calls import ParsedOutput, PlainStream, ToolCallStream, make_tool_parser
 from psrl.router.policies import KvEventIndex, SelectionRequest, make_policy
 from psrl.router.psmanager_admission import PSManagerAdmission
 from psrl.router.registry import Worker, WorkerRegistry
@@ -537,14 +537,20 @@ class RouterApp:
             return await self._proxy_http("/v1/chat/completions", chat, model, meta, rid, raw, request)
         turn = self._tito_turn(request)
         if chat.stream and turn is None:
-            tok = await self.tokenizers.get(model)
-            prompt = await chat_prompt_ids(chat, tok)
-            rollout = Rollout(self.dispatcher, model, meta, GenerationInput(rid, prompt, chat.sampling, True))
-            ticket = await rollout.start()
+            tok, rollout, ticket = await self._start_stream(chat, model, meta, rid)
             events = self._chat_sse(rollout, tok, chat, rid, int(time.time()), model)
             return self._stream("/v1/chat/completions", request, ticket, events)
         ticket, out = await self._chat_completion(chat, model, meta, rid, turn)
         return _json(out, headers=_instance_headers(ticket))
+
+    async def _start_stream(
+        self, chat: P.ChatRequest, model: str, meta: RoutingMeta, rid: str
+    ) -> tuple[Tokenizer, Rollout, Ticket]:
+        """A streamed chat generation, started: (tokenizer, the rollout to read deltas from, its first instance)."""
+        tok = await self.tokenizers.get(model)
+        prompt = await chat_prompt_ids(chat, tok)
+        rollout = Rollout(self.dispatcher, model, meta, GenerationInput(rid, prompt, chat.sampling, True))
+        return tok, rollout, await rollout.start()
 
     async def _proxy_http(
         self, route: str, chat: P.ChatRequest, model: str, meta: RoutingMeta, rid: str, raw: bytes, request: Request
@@ -580,49 +586,79 @@ class RouterApp:
         route: str,
         to_chat: Callable[[dict[str, Any]], dict[str, Any]],
         from_chat: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]],
-        events: Callable[[dict[str, Any]], list[str]],
+        writer: Callable[[dict[str, Any], str, int, str, int], ApiWriter],
     ) -> AnyResponse:
-        """`/v1/responses` and `/v1/messages`: the body becomes a chat request, runs the chat pipeline (TITO
-        included), and the completion is shaped back; a stream is built from the finished result."""
+        """`/v1/responses` and `/v1/messages`: the body becomes a chat request and runs the chat pipeline (TITO
+        included); the completion is shaped back, or (`stream`) `writer(body, request id, created, model,
+        prompt tokens)` writes the API's events as the generation streams."""
         raw, body, meta, chat, model, rid = await self._chat_front(request, to_chat)
-        stream = P.get_bool(body, "stream", False)
+        chat.stream = P.get_bool(body, "stream", False)
         if not self._needs_tokens(model):
-            chat.stream = stream
             return await self._proxy_http(route, chat, model, meta, rid, raw, request)
-        ticket, completion = await self._chat_completion(chat, model, meta, rid, self._tito_turn(request))
-        out = from_chat(completion, body)
-        if not stream:
-            return _json(out, headers=_instance_headers(ticket))
+        turn = self._tito_turn(request)
+        if chat.stream and turn is None:
+            tok, rollout, ticket = await self._start_stream(chat, model, meta, rid)
+            lps = chat.logprobs
 
-        async def frames() -> AsyncIterator[bytes]:
-            for frame in events(out):
-                yield frame.encode()
+            def logprobs(d: Delta) -> list[dict[str, Any]] | None:
+                return A.output_logprobs(R.chat_logprobs(tok, d.token_ids, d.logprobs, d.top_logprobs)) if lps else None
 
-        return self._stream(route, request, ticket, frames())
+            events = api_stream(
+                rollout,
+                IncrementalDecoder(tok, chat.sampling.skip_special_tokens),
+                self._stream_parser(chat),
+                writer(body, rid, int(time.time()), model, len(rollout.state.original.prompt_ids)),
+                logprobs,
+            )
+            return self._stream(route, request, ticket, events)
+        ticket, completion = await self._chat_completion(chat, model, meta, rid, turn)
+        return _json(from_chat(completion, body), headers=_instance_headers(ticket))
 
     async def responses(self, request: Request) -> AnyResponse:
-        return await self._converted_chat(
-            request, "/v1/responses", A.responses_to_chat, A.chat_to_response, A.response_sse_events
-        )
+        def writer(body: dict[str, Any], rid: str, created: int, model: str, _: int) -> ApiWriter:
+            return ResponsesWriter(
+                A.response_base(body, response_id=A.response_id_of(rid), created=created, model=model)
+            )
+
+        return await self._converted_chat(request, "/v1/responses", A.responses_to_chat, A.chat_to_response, writer)
 
     async def messages(self, request: Request) -> AnyResponse:
+        def writer(_: dict[str, Any], rid: str, created: int, model: str, prompt_tokens: int) -> ApiWriter:
+            return MessagesWriter(
+                A.message_base(message_id=A.message_id_of(rid), model=model, input_tokens=prompt_tokens)
+            )
+
         return await self._converted_chat(
-            request,
-            "/v1/messages",
-            A.messages_to_chat,
-            lambda completion, _: A.chat_to_message(completion),
-            A.message_sse_events,
+            request, "/v1/messages", A.messages_to_chat, lambda completion, _: A.chat_to_message(completion), writer
         )
+
+    def _stream_parser(self, chat: P.ChatRequest) -> ToolCallStream:
+        # Tool calls are parsed out only when the request offered tools (as in _parse_output).
+        return self.tool_parser.stream() if chat.tools else PlainStream()
 
     def _chat_sse(
         self, source: Rollout, tok: Tokenizer, chat: P.ChatRequest, rid: str, created: int, model: str
     ) -> AsyncIterator[bytes]:
-        def choice(text: str, d: Delta | None, finish: str | None) -> dict[str, Any] | None:
+        parser = self._stream_parser(chat)
+        calls = 0
+
+        def choice(text: str, d: Delta | None, finish: str | None) -> list[dict[str, Any]]:
+            nonlocal calls
             lps = R.chat_logprobs(tok, d.token_ids, d.logprobs, d.top_logprobs) if d and chat.logprobs else None
-            if finish is None and not text and lps is None:
-                return None
-            delta = {"content": text} if text or finish is None else {}
-            return {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish}
+            choices = []
+            for piece in parser.push(text) if finish is None else parser.finish(text):
+                choices.append({"index": 0, "delta": R.chat_stream_delta(piece, calls), "logprobs": None})
+                calls += piece.kind == "tool_call"
+            if lps is not None:  # every token's log-prob is sent, also of text held back or parsed into a call
+                if not choices:
+                    choices.append({"index": 0, "delta": {"content": ""}, "logprobs": None})
+                choices[0]["logprobs"] = lps
+            for ch in choices:
+                ch["finish_reason"] = None
+            if finish is not None:
+                closing = {"index": 0, "delta": {}, "logprobs": None}
+                choices.append({**closing, "finish_reason": R.chat_finish_reason(calls > 0, finish)})
+            return choices
 
         envelope = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
         opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -674,11 +710,11 @@ class RouterApp:
     def _completion_sse(
         self, source: Rollout, tok: Tokenizer, req: P.CompletionRequest, rid: str, created: int, model: str
     ) -> AsyncIterator[bytes]:
-        def choice(text: str, d: Delta | None, finish: str | None) -> dict[str, Any] | None:
+        def choice(text: str, d: Delta | None, finish: str | None) -> list[dict[str, Any]]:
             lps = R.completion_logprobs(tok, d.token_ids, d.logprobs, d.top_logprobs) if d else None
             if finish is None and not text and lps is None:
-                return None
-            return {"index": 0, "text": text, "logprobs": lps, "finish_reason": finish}
+                return []
+            return [{"index": 0, "text": text, "logprobs": lps, "finish_reason": finish}]
 
         envelope = {"id": rid, "object": "text_completion", "created": created, "model": model}
         decoder = IncrementalDecoder(tok, req.sampling.skip_special_tokens)

@@ -44,8 +44,24 @@ def test_responses_on_the_router_plain_and_streamed(router: Proc, model: str) ->
         )
     )
     assert events[0].type == "response.created" and events[-1].type == "response.incomplete"
-    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-    assert streamed == response.output_text  # greedy: the same text either way
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 1  # streamed as generated, not one finished text
+    assert "".join(e.delta for e in deltas) == response.output_text  # greedy: the same text either way
+    assert events[-1].response.output[0].id == events[2].item.id and events[-1].response.usage.output_tokens == 6
+    include = ["message.output_text.logprobs"]
+    plain = client.responses.create(
+        model=model, input="Hello there", max_output_tokens=6, temperature=0, include=include
+    )
+    events = list(
+        client.responses.create(
+            model=model, input="Hello there", max_output_tokens=6, temperature=0, include=include, stream=True
+        )
+    )
+    done = [e for e in events if e.type == "response.output_text.done"]
+    final = events[-1].response  # incomplete at max_output_tokens (the SDK's stream helper wants "completed")
+    [part] = plain.output[0].content
+    assert len(part.logprobs) == 6 and [lp.token for lp in done[0].logprobs] == [lp.token for lp in part.logprobs]
+    assert final.output[0].content[0].text == part.text
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=model, input="x", previous_response_id="resp_1")
     assert "previous_response_id" in str(e.value)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import numpy as np
 import openai
@@ -234,3 +235,51 @@ def test_history_rewrite_branches_and_keeps_the_old_trajectory(stack: Stack) -> 
     assert traj0["records"][0] == old["records"][0] and len(traj0["records"]) == 2
     assert _sampled(traj0) == chain * 2
     assert httpx.delete(f"{stack.session_url}/sessions/{sid}").status_code == 204
+
+
+def test_streamed_tool_calls_on_the_router_in_all_three_apis(stack: Stack) -> None:
+    """Streaming straight from the router (no SessionRouter): the call is parsed out of the stream as it is
+    generated, on chat, Responses and Messages alike, and equals the non-streamed parse."""
+    agent = stack.agent
+    expected_args = {"q": agent.query}
+    messages = [SYSTEM, {"role": "user", "content": "Look the word up."}]
+    kw: dict[str, Any] = {"model": stack.model_name, "temperature": 0}
+    client = openai.OpenAI(base_url=f"{stack.router_url}/v1", api_key="x", max_retries=0, timeout=60)
+
+    chunks = list(
+        client.chat.completions.create(
+            messages=messages, tools=[LOOKUP_TOOL], max_tokens=16, logprobs=True, stream=True, **kw
+        )
+    )
+    calls = [c for ch in chunks for c in ch.choices[0].delta.tool_calls or []]
+    assert [(c.index, c.type, c.function.name) for c in calls] == [(0, "function", TOOL_NAME)]
+    assert json.loads(calls[0].function.arguments) == expected_args and calls[0].id.startswith("call_")
+    assert not "".join(ch.choices[0].delta.content or "" for ch in chunks)  # the call's text is not content
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    entries = [e for ch in chunks for e in (ch.choices[0].logprobs.content if ch.choices[0].logprobs else [])]
+    assert len(entries) == len(agent.chain)  # every sampled token's log-prob, also those of the call
+
+    tools = [{"type": "function", "name": TOOL_NAME, "parameters": LOOKUP_TOOL["function"]["parameters"]}]
+    plain = client.responses.create(input=messages[1:], instructions=SYSTEM["content"], tools=tools, **kw)
+    with client.responses.stream(input=messages[1:], instructions=SYSTEM["content"], tools=tools, **kw) as s:
+        events = list(s)
+        final = s.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "response.function_call_arguments.done" in kinds and "response.output_text.delta" not in kinds
+    for response in (plain, final):
+        [item] = response.output
+        assert item.type == "function_call" and item.name == TOOL_NAME
+        assert json.loads(item.arguments) == expected_args
+    assert final.usage.output_tokens == len(agent.chain) and final.status == "completed"
+
+    claude = anthropic.Anthropic(base_url=stack.router_url, api_key="x", max_retries=0, timeout=60)
+    anthropic_tools = [{"name": TOOL_NAME, "input_schema": LOOKUP_TOOL["function"]["parameters"]}]
+    body: dict[str, Any] = {"model": stack.model_name, "max_tokens": 16, "system": SYSTEM["content"]}
+    body |= {"messages": messages[1:], "tools": anthropic_tools, "extra_body": {"temperature": 0}}
+    with claude.messages.stream(**body) as s:
+        message = s.get_final_message()
+    [block] = message.content
+    assert block.type == "tool_use" and block.name == TOOL_NAME and block.input == expected_args
+    assert message.stop_reason == "tool_use" and message.usage.output_tokens == len(agent.chain)
+    assert message.usage.input_tokens > 0

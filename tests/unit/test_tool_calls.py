@@ -13,6 +13,7 @@ from psrl.router.pipeline.tool_calls import (
     HermesToolParser,
     NoToolParser,
     ParsedOutput,
+    StreamPiece,
     make_tool_parser,
     new_tool_call_id,
     split_reasoning,
@@ -210,3 +211,79 @@ def test_chat_completion_reports_tool_calls_as_the_finish_reason() -> None:
         logprobs=None,
     )
     assert cut["choices"][0]["finish_reason"] == "length"
+
+
+# ---- streaming ----------------------------------------------------------------------------------------
+
+STREAM_TEXTS = [
+    "",
+    "plain text, no calls",
+    _block("a", {"x": 1}),
+    f"Let me check.\n{_block('a', {})}\nand also\n{_block('b', {'q': 'é'})}\nDone. ",
+    f"<think>\nweigh it\n</think>\n\n{_block('a', {})}",
+    "  <think>cut off mid-thought",
+    "<thin is not a think tag",
+    "<tool_call>\nnot json\n</tool_call> then text",
+    '<tool_call>{"name": "a"}</tool_call><tool_call>{"name": "b"}</tool_call>',
+    f'{_block("a", {})}\n<tool_call>\n{{"name": "cut',
+    "a < b and <tool_ is not a tag </tool_call>",
+]
+
+
+def _streamed(text: str, cuts: list[int]) -> list[StreamPiece]:
+    counter = itertools.count()
+    stream = HermesToolParser(id_factory=lambda: f"call_{next(counter)}").stream()
+    bounds = [0, *cuts, len(text)]
+    pieces = [p for a, b in itertools.pairwise(bounds) for p in stream.push(text[a:b])]
+    return pieces + stream.finish()
+
+
+def _joined(pieces: list[StreamPiece]) -> tuple[str, str, list[dict]]:
+    """(content, reasoning, calls) with runs of one kind concatenated."""
+    content = "".join(p.text for p in pieces if p.kind == "content")
+    reasoning = "".join(p.text for p in pieces if p.kind == "reasoning")
+    return content, reasoning, [p.call for p in pieces if p.call is not None]
+
+
+def _words(text: str | None) -> list[str]:
+    return (text or "").split()
+
+
+@pytest.mark.parametrize("text", STREAM_TEXTS)
+def test_streaming_gives_the_same_message_however_the_text_is_cut(text: str) -> None:
+    whole = _joined(_streamed(text, []))
+    for cuts in [*([i] for i in range(1, len(text))), list(range(1, len(text)))]:
+        assert _joined(_streamed(text, cuts)) == whole, cuts
+    parsed = _parser().parse(text)
+    content, reasoning, calls = whole
+    assert calls == parsed.tool_calls
+    if parsed.reasoning_content is None and reasoning:  # a cut-off think block: reasoning while it streamed
+        assert text.lstrip().startswith("<think>") and _words(content) == []
+        assert _words(reasoning) == _words(parsed.content.removeprefix("<think>"))
+    else:
+        assert reasoning.rstrip() == (parsed.reasoning_content or "")  # trailing space is not held back
+        assert _words(content) == _words(parsed.content)  # the same words; whitespace at call seams may differ
+
+
+def test_streamed_content_comes_out_before_the_generation_ends() -> None:
+    stream = _parser().stream()
+    assert stream.push("Hello wor") == [StreamPiece("content", "Hello wor")]
+    assert stream.push("ld <tool") == [StreamPiece("content", "ld ")]  # "<tool" may open a call: held back
+    assert stream.push('_call>{"name": "a"') == []
+    [call] = stream.push("}</tool_call>")
+    assert call.kind == "tool_call" and call.call is not None and call.call["function"]["name"] == "a"
+    assert stream.push("\n  ") == [] and stream.push("after") == [StreamPiece("content", "after")]
+    assert stream.finish() == []
+
+
+def test_streamed_reasoning_comes_out_as_it_is_generated() -> None:
+    stream = _parser().stream()
+    assert stream.push("<thi") == [] and stream.push("nk>\nstep one") == [StreamPiece("reasoning", "step one")]
+    assert stream.push(", two</th") == [StreamPiece("reasoning", ", two")]
+    assert stream.push("ink>\n\nAnswer") == [StreamPiece("content", "Answer")]
+
+
+def test_plain_stream_passes_text_through() -> None:
+    stream = NoToolParser().stream()
+    assert stream.push(" <tool_call>x") == [StreamPiece("content", " <tool_call>x")]
+    assert stream.push("") == [] and stream.finish("</tool_call> ") == [StreamPiece("content", "</tool_call> ")]

@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from psrl.router.pipeline.context import Generation
-from psrl.router.pipeline.tool_calls import ParsedOutput
+from psrl.router.pipeline.tool_calls import ParsedOutput, StreamPiece
 from psrl.tokenizer import Tokenizer
 
 
@@ -59,6 +59,21 @@ def chat_logprobs(
     return {"content": content}
 
 
+def chat_finish_reason(called_tools: bool, finish_reason: str | None) -> str | None:
+    """OpenAI reports a turn that ended by calling tools as finish_reason "tool_calls"."""
+    return "tool_calls" if called_tools and finish_reason == "stop" else finish_reason
+
+
+def chat_stream_delta(piece: StreamPiece, call_index: int) -> dict[str, Any]:
+    """A chat chunk's `delta` for one piece of a streamed message (`call_index`: the tool call's number)."""
+    if piece.kind == "content":
+        return {"content": piece.text}
+    if piece.kind == "reasoning":
+        return {"reasoning_content": piece.text}
+    assert piece.call is not None
+    return {"tool_calls": [{"index": call_index, **piece.call}]}
+
+
 def chat_completion(
     *,
     request_id: str,
@@ -71,8 +86,7 @@ def chat_completion(
     message: dict[str, Any] = {"role": "assistant", "content": output.content, "tool_calls": output.tool_calls}
     if output.reasoning_content is not None:
         message["reasoning_content"] = output.reasoning_content
-    # OpenAI reports a turn that ended by calling tools as finish_reason "tool_calls".
-    finish = "tool_calls" if output.tool_calls and gen.finish_reason == "stop" else gen.finish_reason
+    finish = chat_finish_reason(bool(output.tool_calls), gen.finish_reason)
     return {
         "id": request_id,
         "object": "chat.completion",

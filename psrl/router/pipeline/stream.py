@@ -1,7 +1,9 @@
 """Stage 5 for streaming clients: turn a worker call's deltas into SSE events, whatever the API's spelling.
 
-Each API supplies one function that spells a choice (text delta, token delta or None at the end, finish reason);
-the framing, the usage event, the error event and `[DONE]` are shared.
+Chat and completions (`sse_stream`): each supplies one function that spells the choices of a delta (text delta,
+token delta or None at the end, finish reason); the framing, the usage event, the error event and `[DONE]` are
+shared. Responses and Messages (`api_stream`): the text is parsed into content, reasoning and tool calls as it
+arrives, and an `ApiWriter` spells each piece as that API's events.
 """
 
 from __future__ import annotations
@@ -10,16 +12,19 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
+from psrl import apis as A
 from psrl.router.errors import RouterError
 from psrl.router.pipeline import respond as R
 from psrl.router.pipeline.context import Generation
 from psrl.router.pipeline.execute import Delta
+from psrl.router.pipeline.tool_calls import StreamPiece, ToolCallStream
 from psrl.tokenizer import IncrementalDecoder
 
 logger = logging.getLogger(__name__)
 
-# (new text, the token delta or None for the closing event, finish reason or None) -> a choice, or None to skip
-ChoiceFn = Callable[[str, Delta | None, str | None], dict[str, Any] | None]
+# (new text, the token delta or None for the closing event, finish reason or None) -> the choices to send (the
+# closing call returns at least the one with the finish reason)
+ChoiceFn = Callable[[str, Delta | None, str | None], list[dict[str, Any]]]
 
 
 class DeltaSource(Protocol):
@@ -47,16 +52,127 @@ async def sse_stream(
         if opening is not None:
             yield event(opening)
         async for d in source.deltas():
-            ch = choice(decoder.push(d.token_ids), d, None)
-            if ch is not None:
+            for ch in choice(decoder.push(d.token_ids), d, None):
                 yield event(ch)
         result = source.result
-        closing = choice(decoder.flush(), None, result.finish_reason)
-        assert closing is not None
-        yield event(closing)
+        for ch in choice(decoder.flush(), None, result.finish_reason):
+            yield event(ch)
         if include_usage:
             yield R.sse({**envelope, "choices": [], "usage": R.usage(result)})
     except RouterError as e:  # headers are sent: the error travels as an SSE event
         logger.warning("stream %s failed: %s", envelope.get("id"), e.message)
         yield R.sse(e.body())
     yield R.SSE_DONE
+
+
+class ApiWriter(Protocol):
+    """One API's events for a streamed chat generation (frames, each a complete SSE event)."""
+
+    def start(self) -> list[str]: ...
+
+    def content(self, text: str, logprobs: list[dict[str, Any]] | None) -> list[str]: ...
+
+    def reasoning(self, text: str) -> list[str]: ...
+
+    def tool_call(self, call: dict[str, Any]) -> list[str]: ...
+
+    def finish(self, finish_reason: str | None, usage: dict[str, Any]) -> list[str]: ...
+
+    def error(self, e: RouterError) -> list[str]: ...
+
+
+async def api_stream(
+    source: DeltaSource,
+    decoder: IncrementalDecoder,
+    parser: ToolCallStream,
+    writer: ApiWriter,
+    logprobs: Callable[[Delta], list[dict[str, Any]] | None],
+) -> AsyncIterator[bytes]:
+    """`writer`'s events for a started generation; `logprobs` spells a delta's log-probs (None when not asked
+    for), and each content piece carries those of the tokens decoded since the last one."""
+    pending: list[dict[str, Any]] | None = None
+    calls = 0
+
+    def frames_of(pieces: list[StreamPiece]) -> list[str]:
+        nonlocal pending, calls
+        frames: list[str] = []
+        for p in pieces:
+            if p.kind == "content":
+                frames += writer.content(p.text, pending)
+                pending = None
+            elif p.kind == "reasoning":
+                frames += writer.reasoning(p.text)
+            elif p.call is not None:
+                frames += writer.tool_call(p.call)
+                calls += 1
+        return frames
+
+    try:
+        for frame in writer.start():
+            yield frame.encode()
+        async for d in source.deltas():
+            lps = logprobs(d)
+            if lps is not None:
+                pending = [*(pending or []), *lps]
+            for frame in frames_of(parser.push(decoder.push(d.token_ids))):
+                yield frame.encode()
+        for frame in frames_of(parser.finish(decoder.flush())):
+            yield frame.encode()
+        result = source.result
+        for frame in writer.finish(R.chat_finish_reason(calls > 0, result.finish_reason), R.usage(result)):
+            yield frame.encode()
+    except RouterError as e:  # headers are sent: the error travels as the API's error event
+        logger.warning("stream failed: %s", e.message)
+        for frame in writer.error(e):
+            yield frame.encode()
+
+
+class ResponsesWriter:
+    """`/v1/responses` events (psrl.apis.ResponseStream) as an ApiWriter."""
+
+    def __init__(self, base: dict[str, Any]) -> None:
+        self.stream = A.ResponseStream(base)
+
+    def start(self) -> list[str]:
+        return self.stream.start()
+
+    def content(self, text: str, logprobs: list[dict[str, Any]] | None) -> list[str]:
+        return self.stream.text(text, logprobs)
+
+    def reasoning(self, text: str) -> list[str]:
+        return self.stream.reasoning(text)
+
+    def tool_call(self, call: dict[str, Any]) -> list[str]:
+        return self.stream.function_call(call["id"], call["function"]["name"], call["function"]["arguments"])
+
+    def finish(self, finish_reason: str | None, usage: dict[str, Any]) -> list[str]:
+        return self.stream.finish(A.response_outcome(finish_reason, usage))
+
+    def error(self, e: RouterError) -> list[str]:
+        return self.stream.error(e.message, e.code, e.param)
+
+
+class MessagesWriter:
+    """`/v1/messages` events (psrl.apis.MessageStream) as an ApiWriter."""
+
+    def __init__(self, base: dict[str, Any]) -> None:
+        self.stream = A.MessageStream(base)
+
+    def start(self) -> list[str]:
+        return self.stream.start()
+
+    def content(self, text: str, logprobs: list[dict[str, Any]] | None) -> list[str]:
+        return self.stream.text(text)  # Messages has no log-probs
+
+    def reasoning(self, text: str) -> list[str]:
+        return self.stream.thinking(text)
+
+    def tool_call(self, call: dict[str, Any]) -> list[str]:
+        function = call["function"]
+        return self.stream.tool_use(call["id"], function["name"], A.tool_input_of(function["arguments"]))
+
+    def finish(self, finish_reason: str | None, usage: dict[str, Any]) -> list[str]:
+        return self.stream.finish(A.stop_reason_of(finish_reason), usage["completion_tokens"])
+
+    def error(self, e: RouterError) -> list[str]:
+        return self.stream.error(e.message, e.status)

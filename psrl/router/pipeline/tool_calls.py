@@ -1,4 +1,5 @@
-"""Turn a model's generated text into OpenAI chat `tool_calls`, content and reasoning_content.
+"""Turn a model's generated text into OpenAI chat `tool_calls`, content and reasoning_content: the whole text
+at once (`parse`), or as it streams (`StreamingHermesParser`).
 
 The `hermes` format (Qwen2.5/Qwen3 use it too): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`
 blocks, optionally after a leading `<think>...</think>` block. Pure: model output never makes it raise.
@@ -11,7 +12,7 @@ import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -36,6 +37,16 @@ class ParsedOutput:
 
 class ToolCallParser(Protocol):
     def parse(self, text: str) -> ParsedOutput: ...
+
+    def stream(self) -> ToolCallStream:
+        """A parser for one streamed generation."""
+        ...
+
+
+class ToolCallStream(Protocol):
+    def push(self, text: str) -> list[StreamPiece]: ...
+
+    def finish(self, text: str = "") -> list[StreamPiece]: ...
 
 
 def new_tool_call_id() -> str:
@@ -108,12 +119,121 @@ class HermesToolParser:
         pieces.append(rest[kept_from:])
         return ParsedOutput(content=_join_content(pieces), tool_calls=calls, reasoning_content=reasoning)
 
+    def stream(self) -> StreamingHermesParser:
+        return StreamingHermesParser(self._new_id)
+
+
+@dataclass(frozen=True)
+class StreamPiece:
+    """One thing a streamed generation adds to the assistant message: text for `content` or
+    `reasoning_content`, or a whole tool call (OpenAI shape)."""
+
+    kind: Literal["content", "reasoning", "tool_call"]
+    text: str = ""
+    call: dict[str, Any] | None = None
+
+
+def _held_back(text: str, marker: str) -> int:
+    """Where the longest suffix of `text` that could be the start of `marker` begins (len(text) if none)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return len(text) - n
+    return len(text)
+
+
+class StreamingHermesParser:
+    """HermesToolParser for a stream: text goes in as it is decoded, pieces come out as soon as they are
+    certain. Content and reasoning stream through, holding back only what could be the start of a marker;
+    a tool call comes out whole when its `</tool_call>` arrives (a malformed or cut-off block comes out as
+    content, verbatim). Whitespace at the start of content and reasoning, and between calls, is dropped.
+
+    Unlike `parse`, a `<think>` block cut off at max_tokens has already streamed as reasoning (as vLLM's
+    streaming reasoning parsers do); everything else is what `parse` makes of the whole text.
+    """
+
+    def __init__(self, id_factory: Callable[[], str] = new_tool_call_id) -> None:
+        self._new_id = id_factory
+        self._buf = ""
+        self._state: Literal["start", "reasoning", "content", "call"] = "start"
+        self._strip = True  # drop whitespace before the next content or reasoning text
+
+    def _text(self, kind: Literal["content", "reasoning"], text: str, out: list[StreamPiece]) -> None:
+        if self._strip:
+            text = text.lstrip()
+        if text:
+            self._strip = False
+            out.append(StreamPiece(kind, text))
+
+    def _until(self, kind: Literal["content", "reasoning"], marker: str, out: list[StreamPiece]) -> bool:
+        """Stream the buffer as `kind` up to `marker`: True with the marker left at the buffer's start, or False
+        with only what could begin the marker left."""
+        at = self._buf.find(marker)
+        cut = _held_back(self._buf, marker) if at < 0 else at
+        self._text(kind, self._buf[:cut], out)
+        self._buf = self._buf[cut:]
+        return at >= 0
+
+    def push(self, text: str) -> list[StreamPiece]:
+        out: list[StreamPiece] = []
+        self._buf += text
+        while self._buf:
+            if self._state == "start":
+                lead = self._buf.lstrip()
+                if not lead or (len(lead) < len(THINK_START) and THINK_START.startswith(lead)):
+                    break  # cannot tell yet whether a think block opens the output
+                if lead.startswith(THINK_START):
+                    self._buf, self._state = lead[len(THINK_START) :], "reasoning"
+                else:
+                    self._state = "content"
+            elif self._state == "reasoning":
+                if not self._until("reasoning", THINK_END, out):
+                    break
+                self._buf, self._state, self._strip = self._buf[len(THINK_END) :], "content", True
+            elif self._state == "content":
+                if not self._until("content", TOOL_CALL_START, out):
+                    break
+                self._state = "call"
+            else:
+                end = self._buf.find(TOOL_CALL_END)
+                if end < 0:
+                    break
+                block, self._buf = self._buf[: end + len(TOOL_CALL_END)], self._buf[end + len(TOOL_CALL_END) :]
+                self._state = "content"
+                call = _tool_call_from_json(block[len(TOOL_CALL_START) : end], self._new_id)
+                if call is None:
+                    self._text("content", block, out)
+                else:
+                    out.append(StreamPiece("tool_call", call=call))
+                    self._strip = True
+        return out
+
+    def finish(self, text: str = "") -> list[StreamPiece]:
+        """The pieces of the last text and of whatever was held back (a cut-off call is content)."""
+        out = self.push(text)
+        kind: Literal["content", "reasoning"] = "reasoning" if self._state == "reasoning" else "content"
+        self._text(kind, self._buf, out)
+        self._buf = ""
+        return out
+
 
 class NoToolParser:
     """Tool parsing off: the whole generation is content, as generated."""
 
     def parse(self, text: str) -> ParsedOutput:
         return ParsedOutput(content=text or None)
+
+    def stream(self) -> PlainStream:
+        return PlainStream()
+
+
+class PlainStream:
+    """Every streamed text is content, as generated."""
+
+    def push(self, text: str) -> list[StreamPiece]:
+        return [StreamPiece("content", text)] if text else []
+
+    def finish(self, text: str = "") -> list[StreamPiece]:
+        return self.push(text)
 
 
 _PARSERS: dict[str, Callable[[], ToolCallParser]] = {

@@ -1,0 +1,106 @@
+"""Streamed `/v1/responses` and `/v1/messages` (router pipeline, api_stream): text and tool calls written as the
+API's events while the generation streams, read back by the official clients' stream parsers; a failure after
+the first event ends the stream with the API's error event."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anthropic
+import httpx
+import httpx2
+import openai
+import pytest
+
+from psrl import apis as A
+from psrl.router.errors import RouterError, WorkerStreamFailed
+from psrl.router.pipeline.context import Generation
+from psrl.router.pipeline.execute import Delta
+from psrl.router.pipeline.stream import ApiWriter, MessagesWriter, ResponsesWriter, api_stream
+from psrl.router.pipeline.tool_calls import HermesToolParser
+from psrl.tokenizer import IncrementalDecoder, Tokenizer, build_tiny_tokenizer
+
+TEXT = 'Let me look.<tool_call>\n{"name": "lookup", "arguments": {"q": "hé"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return Tokenizer.from_folder(build_tiny_tokenizer(Path(tmp_path_factory.mktemp("tok"))))
+
+
+class _Source:
+    """A generation that streams `ids` one token a delta, then ends (or fails with `error`)."""
+
+    def __init__(self, ids: list[int], error: RouterError | None = None) -> None:
+        self.ids, self.error = ids, error
+        self.result = Generation(output_ids=ids, finish_reason="stop", prompt_tokens=9, cached_tokens=2)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        for i, t in enumerate(self.ids):
+            if self.error is not None and i == len(self.ids) // 2:
+                raise self.error
+            yield Delta([t], [-0.25], None)
+
+
+async def _frames(tok: Tokenizer, writer: ApiWriter, source: _Source) -> list[str]:
+    logprobs = [{"token": "t", "logprob": -0.25, "bytes": None, "top_logprobs": []}]
+    events = api_stream(source, IncrementalDecoder(tok, True), HermesToolParser().stream(), writer, lambda d: logprobs)
+    return [frame.decode() async for frame in events]
+
+
+def _transport(frames: list[str], http: type) -> object:
+    body = "".join(frames).encode()
+    return http.MockTransport(lambda _: http.Response(200, content=body, headers={"content-type": "text/event-stream"}))
+
+
+async def test_responses_stream_text_then_the_call(tok: Tokenizer) -> None:
+    ids = tok.encode(TEXT)
+    base = A.response_base({"input": "hi"}, response_id="resp_1", created=1, model="tiny")
+    frames = await _frames(tok, ResponsesWriter(base), _Source(ids))
+    text_deltas = [json.loads(f.split("data: ", 1)[1]) for f in frames if "output_text.delta" in f]
+    assert len(text_deltas) > 1 and "".join(d["delta"] for d in text_deltas) == "Let me look."
+    # Each text delta carries the log-probs of the tokens decoded since the previous one.
+    assert sum(len(d["logprobs"]) for d in text_deltas) == len(tok.encode("Let me look."))
+    client = openai.OpenAI(
+        api_key="x", base_url="http://t/v1", http_client=httpx.Client(transport=_transport(frames, httpx))
+    )
+    with client.responses.stream(model="tiny", input="hi") as stream:
+        final = stream.get_final_response()
+    assert final.output_text == "Let me look." and final.status == "completed"
+    assert final.output[1].type == "function_call" and json.loads(final.output[1].arguments) == {"q": "hé"}
+    assert final.usage.input_tokens == 9 and final.usage.output_tokens == len(ids)
+
+
+async def test_messages_stream_text_then_the_call(tok: Tokenizer) -> None:
+    ids = tok.encode(TEXT)
+    frames = await _frames(
+        tok, MessagesWriter(A.message_base(message_id="msg_1", model="tiny", input_tokens=9)), _Source(ids)
+    )
+    client = anthropic.Anthropic(
+        api_key="x", base_url="http://t", http_client=httpx2.Client(transport=_transport(frames, httpx2))
+    )
+    with client.messages.stream(model="tiny", max_tokens=5, messages=[{"role": "user", "content": "hi"}]) as stream:
+        text = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert len(text) > 1 and "".join(text) == "Let me look."
+    assert [b.type for b in final.content] == ["text", "tool_use"] and final.content[1].input == {"q": "hé"}
+    assert final.stop_reason == "tool_use" and final.usage.output_tokens == len(ids)
+
+
+async def test_a_failure_mid_stream_ends_with_the_apis_error_event(tok: Tokenizer) -> None:
+    ids = tok.encode(TEXT)
+    error = WorkerStreamFailed("the replica went away")
+    base = A.response_base({"input": "hi"}, response_id="resp_1", created=1, model="tiny")
+    frames = await _frames(tok, ResponsesWriter(base), _Source(ids, error))
+    last = json.loads(frames[-1].split("data: ", 1)[1])
+    assert last["type"] == "error" and last["code"] == "stream_drain_failed" and "went away" in last["message"]
+    assert not any("response.completed" in f for f in frames)
+    frames = await _frames(
+        tok, MessagesWriter(A.message_base(message_id="m", model="tiny", input_tokens=1)), _Source(ids, error)
+    )
+    assert json.loads(frames[-1].split("data: ", 1)[1]) == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "the replica went away"},
+    }
