@@ -200,22 +200,11 @@ class SessionRouter:
         if path == CHAT_PATH:
             body["logprobs"] = True
             body["top_logprobs"] = 1
-        async with state.turn_lock(request.headers, self.strategy):
-            await self._admit(state)
-            headers, trajectory = state.turn_headers(request.headers, self.strategy)
-            headers["content-type"] = "application/json"
-            state.begin_turn()
-            try:
-                upstream = await self.upstream("POST", f"/{path}", content=json.dumps(body).encode(), headers=headers)
-                if upstream.is_success:
-                    result = upstream.json()
-                    state.record_success(upstream.headers, result.get("usage"))
-                    state.advance_trajectory(trajectory)
-            finally:
-                state.end_turn()
+        content = json.dumps(body).encode()
+        upstream = await self._turn(state, request, f"/{path}", content, {"content-type": "application/json"})
         if not upstream.is_success or not wants_stream:
             return _upstream_response(upstream)
-        events = TURN_APIS[path](result)
+        events = TURN_APIS[path](upstream.json())
 
         async def stream() -> AsyncIterator[str]:
             for event in events:
@@ -225,29 +214,41 @@ class SessionRouter:
 
     async def forward(self, sid: str, path: str, request: Request) -> Response:
         """Any other path under a session goes to the router's `/{path}` with the same header treatment; a POST
-        counts as a turn (hang, closing, in-flight, instance and version)."""
+        counts as a turn (after the trajectory's previous turn; hang, closing, in-flight, instance and version)."""
         state = self.state(sid)
         raw = await request.body()
-        is_turn = request.method == "POST"
-        if is_turn:
-            await self._admit(state)
-        headers, trajectory = state.turn_headers(request.headers, self.strategy)
-        if not is_turn:
-            upstream = await self.upstream(
-                request.method, f"/{path}", content=raw, headers=headers, params=request.query_params
-            )
-            return _upstream_response(upstream)
-        state.begin_turn()
-        try:
-            upstream = await self.upstream(
-                request.method, f"/{path}", content=raw, headers=headers, params=request.query_params
-            )
-            if upstream.is_success:
-                state.record_success(upstream.headers, _usage_of(upstream))
-                state.advance_trajectory(trajectory)
-        finally:
-            state.end_turn()
+        if request.method == "POST":
+            return _upstream_response(await self._turn(state, request, f"/{path}", raw, params=request.query_params))
+        headers, _ = state.turn_headers(request.headers, self.strategy)
+        upstream = await self.upstream(
+            request.method, f"/{path}", content=raw, headers=headers, params=request.query_params
+        )
         return _upstream_response(upstream)
+
+    async def _turn(
+        self,
+        state: SessionState,
+        request: Request,
+        path: str,
+        content: bytes,
+        extra_headers: dict[str, str] | None = None,
+        params: Any = None,
+    ) -> httpx.Response:
+        """POST one turn upstream, after the trajectory's previous turn has answered; a success pins the session
+        to the instance and version that served it and advances the trajectory."""
+        async with state.turn_lock(request.headers, self.strategy):
+            await self._admit(state)
+            headers, trajectory = state.turn_headers(request.headers, self.strategy)
+            headers.update(extra_headers or {})
+            state.begin_turn()
+            try:
+                upstream = await self.upstream("POST", path, content=content, headers=headers, params=params)
+                if upstream.is_success:
+                    state.record_success(upstream.headers, _usage_of(upstream))
+                    state.advance_trajectory(trajectory)
+            finally:
+                state.end_turn()
+        return upstream
 
     # ---- control --------------------------------------------------------------------------------------
 

@@ -238,6 +238,17 @@ async def test_turns_of_one_trajectory_run_one_at_a_time(client: httpx.AsyncClie
     trajectories = [h.get("x-smg-tito-trajectory-id") for kind, h, _ in mock.calls if kind == "chat"]
     assert trajectories == ["0", "1", "0"]
 
+    # A POST to any other path under the session is a turn too: it waits for its trajectory's turn.
+    mock.gate, mock.entered = asyncio.Event(), asyncio.Event()
+    held = asyncio.create_task(_turn(client, sid))
+    await asyncio.wait_for(mock.entered.wait(), 5)
+    forwarded = asyncio.create_task(client.post(f"/sessions/{sid}/v1/completions", json={"prompt": "x"}))
+    await asyncio.sleep(0.1)
+    assert not forwarded.done() and mock.calls[-1][0] == "chat"
+    mock.gate.set()
+    assert (await held).status_code == 200 and (await asyncio.wait_for(forwarded, 5)).status_code == 200
+    assert mock.calls[-1][0] == "/v1/completions"
+
 
 async def test_streaming_reply_is_built_from_the_buffered_result(client: httpx.AsyncClient, mock: MockRouter) -> None:
     sid = await _session(client)
