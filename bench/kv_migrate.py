@@ -2,6 +2,8 @@
 
 (a) Host gather/scatter (psrl.kv) of blocks at random ids of a larger paged cache (vLLM layout, all layers per
     call) against `np.copyto` between two contiguous buffers of the same size. Target: >= 0.8 of memcpy.
+    Then a whole shared-memory transfer (shm_send + shm_receive, one process) with a fresh segment per transfer
+    against a pooled segment kept mapped on both sides (ShmPool + ShmMappings, what the replicas use).
 (b) Two reference replicas (`python -m psrl.worker --torch-threads 1`). For each N: replica A prefills a random
     (N+1)-token prompt (max_tokens 1), so its prefix cache holds the first N tokens' KV; then replica B, its
     prefix cache flushed before every timed call, runs the same prompt (greedy, max_tokens 1) either with
@@ -68,6 +70,8 @@ class Row:
     memcpy_gbps: float
     gather_gbps: float
     scatter_gbps: float
+    shm_fresh_gbps: float  # shm_send + shm_receive with a new segment each time
+    shm_pooled_gbps: float  # the same through a ShmPool (source) and ShmMappings (destination)
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -95,7 +99,24 @@ def measure(cfg: BenchConfig, caches: list[np.ndarray], num_ids: int, rng: np.ra
         lambda: kv.gather_blocks(caches, gather_ids, out=buffer, num_threads=threads), cfg.repeats
     )
     t_scatter = median_seconds(lambda: kv.scatter_blocks(buffer, caches, scatter_ids, num_threads=threads), cfg.repeats)
-    return Row(num_ids, nbytes, nbytes / t_memcpy / 1e9, nbytes / t_gather / 1e9, nbytes / t_scatter / 1e9)
+    pool, mappings = kv.ShmPool(4 * nbytes), kv.ShmMappings(4 * nbytes)
+
+    def transfer(pooled: bool) -> None:
+        channel = kv.shm_send(caches, gather_ids, num_threads=threads, pool=pool if pooled else None)
+        kv.shm_receive(channel.transfer, caches, scatter_ids, num_threads=threads, mappings=mappings)
+        if pooled:
+            channel.recycle()  # the destination has read it all
+        else:
+            channel.__exit__(None, None, None)
+
+    try:
+        t_fresh = median_seconds(lambda: transfer(False), cfg.repeats)
+        t_pooled = median_seconds(lambda: transfer(True), cfg.repeats)
+    finally:
+        mappings.close()
+        pool.close()
+    gbps = [nbytes / t / 1e9 for t in (t_memcpy, t_gather, t_scatter, t_fresh, t_pooled)]
+    return Row(num_ids, nbytes, *gbps)
 
 
 def cpu_model() -> str:
@@ -133,6 +154,15 @@ def print_table(cfg: BenchConfig, rows: list[Row]) -> None:
         )
     worst = min(min(r.gather_gbps, r.scatter_gbps) / r.memcpy_gbps for r in rows)
     print(f"target  : gather and scatter >= 0.80 of memcpy: {'met' if worst >= 0.8 else 'NOT met'} (worst {worst:.2f})")
+    header = f"{'blocks':>7} {'MiB':>9} {'shm fresh GB/s':>15} {'shm pooled GB/s':>16} {'pooled/fresh':>13}"
+    print("shm     : a whole transfer (gather into the segment, scatter out of it), fresh segment vs pooled")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r.num_ids:>7} {r.nbytes / 2**20:>9.1f} {r.shm_fresh_gbps:>15.2f} {r.shm_pooled_gbps:>16.2f} "
+            f"{r.shm_pooled_gbps / r.shm_fresh_gbps:>12.2f}x"
+        )
 
 
 def part_a(cfg: BenchConfig, seed: int) -> list[Row]:
@@ -460,7 +490,7 @@ def part_b(args: argparse.Namespace, log_dir: Path) -> tuple[list[MigrationRow],
         )
     print(
         "columns : ratio = recompute / migrate (wall time of B's Generate call); pull = B's transfer_seconds_in\n"
-        "          delta (TransferKv: lease + gather into a new shm segment on A; scatter on B; ReleaseKv);\n"
+        "          delta (TransferKv: lease + gather into a pooled shm segment on A; scatter on B; ReleaseKv);\n"
         "          pull GB/s = bytes_in / pull; |dlogp| = spread of the output token's logprob over A, migrate\n"
         f"          and recompute; loadavg {os.getloadavg()[0]:.2f} at end"
     )

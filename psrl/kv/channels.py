@@ -31,7 +31,9 @@ import math
 import os
 import secrets
 import sys
-from collections.abc import Iterator, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -64,6 +66,8 @@ __all__ = [
     "NcclChannel",
     "NcclUnavailableError",
     "ShmChannel",
+    "ShmMappings",
+    "ShmPool",
     "ShmSegment",
     "ShmSegmentNotFoundError",
     "ShmSizeMismatchError",
@@ -126,6 +130,9 @@ class ShmTransfer:
     shape: tuple[int, int, int, int, int, int]  # [num_layers, 2, num_ids, block_size, num_kv_heads, head_size]
     dtype: str  # "float16", "bfloat16" or "float32"
     num_tokens: int | None = None  # tokens the blocks hold (None: all full); see psrl.kv.gather_blocks
+    # A pooled segment (ShmPool) outlives the transfer: it may be larger than the buffer (which is at its
+    # start), the destination must not unlink it, and may keep it mapped for the next transfer (ShmMappings).
+    pooled: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_ITEMSIZE:
@@ -147,7 +154,8 @@ class ShmTransfer:
         return math.prod(self.shape) * self.itemsize
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "num_tokens": self.num_tokens}
+        out = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "num_tokens": self.num_tokens}
+        return out | ({"pooled": True} if self.pooled else {})
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ShmTransfer:
@@ -157,6 +165,7 @@ class ShmTransfer:
             shape=tuple(int(n) for n in data["shape"]),  # type: ignore[arg-type]
             dtype=str(data["dtype"]),
             num_tokens=None if num_tokens is None else int(num_tokens),
+            pooled=bool(data.get("pooled", False)),
         )
 
 
@@ -164,14 +173,169 @@ def _host_view(buffer: Any, shape: tuple[int, ...], dtype: str, like: ArrayLike 
     """Zero-copy view of a buffer-protocol object as a numpy array, or as a CPU torch tensor when the caches
     (``like``) are torch tensors or the dtype is one numpy lacks (bf16)."""
     torch_like = like is not None and not isinstance(like, np.ndarray)
+    count = math.prod(shape)  # the buffer may be longer (a pooled segment): the view is its start
     if not torch_like and dtype != "bfloat16":
-        return np.frombuffer(buffer, dtype=np.dtype(dtype)).reshape(shape)
+        return np.frombuffer(buffer, dtype=np.dtype(dtype), count=count).reshape(shape)
     torch = sys.modules.get("torch")
     if torch is None:
         raise KVLayoutMismatchError(f"a {dtype} buffer needs torch (numpy has no such dtype); import torch first")
-    bits = np.frombuffer(buffer, dtype=_BITS_DTYPE[DTYPE_ITEMSIZE[dtype]])
+    bits = np.frombuffer(buffer, dtype=_BITS_DTYPE[DTYPE_ITEMSIZE[dtype]], count=count)
     # torch.from_numpy keeps the numpy array, which keeps the buffer export, alive as long as the tensor.
     return torch.from_numpy(bits).view(getattr(torch, dtype)).reshape(shape)
+
+
+def _open_segment(transfer: ShmTransfer) -> Any:
+    """Map the segment a source made for `transfer` (checked against it; never unlinked here)."""
+    try:
+        segment = ShmSegment.open(transfer.name)
+    except FileNotFoundError as exc:
+        raise ShmSegmentNotFoundError(
+            f"shared memory segment {transfer.name!r} does not exist: the source never created it, "
+            "already unlinked it, or the destination opened it before"
+        ) from exc
+    if segment.size < transfer.nbytes or (segment.size != transfer.nbytes and not transfer.pooled):
+        segment.close()  # not unlinked: a wrong descriptor must not destroy the segment
+        raise ShmSizeMismatchError(
+            f"shared memory segment {transfer.name!r} has {segment.size} bytes, the transfer describes "
+            f"{transfer.nbytes} ({list(transfer.shape)} {transfer.dtype})"
+        )
+    return segment
+
+
+def _destroy(segment: Any) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        segment.unlink()
+    with contextlib.suppress(BufferError):  # a live view: unmapped when the last one goes
+        segment.close()
+
+
+class ShmPool:
+    """Shared-memory segments the source keeps between transfers.
+
+    Making a segment (allocating and zeroing its pages, mapping them) costs several times the gather into it,
+    so a segment whose destination has acknowledged the transfer (:meth:`ShmChannel.recycle`) comes back here
+    for the next transfer of its size class (powers of two from ``min_segment_bytes``). At most
+    ``max_idle_bytes`` stay idle (the least recently used go first). A segment whose transfer was never
+    acknowledged is retired, never reused: its reader may still be copying out of it. Thread-safe.
+    """
+
+    def __init__(self, max_idle_bytes: int, *, min_segment_bytes: int = 1 << 20) -> None:
+        if max_idle_bytes < 0 or min_segment_bytes <= 0:
+            raise ValueError("max_idle_bytes must be >= 0 and min_segment_bytes > 0")
+        self.max_idle_bytes = max_idle_bytes
+        self._min = min_segment_bytes
+        self._idle: list[Any] = []  # mapped segments nobody uses, least recently used first
+        self._lock = threading.Lock()
+        self.created = 0  # segments made
+        self.reused = 0  # transfers served by an idle segment
+
+    def size_class(self, nbytes: int) -> int:
+        return max(self._min, 1 << max(nbytes - 1, 0).bit_length())
+
+    @property
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return sum(seg.size for seg in self._idle)
+
+    def acquire(self, nbytes: int) -> Any:
+        """A mapped segment of at least `nbytes` (its size class) for one transfer."""
+        size = self.size_class(nbytes)
+        with self._lock:
+            for i, seg in enumerate(self._idle):
+                if seg.size == size:
+                    self.reused += 1
+                    return self._idle.pop(i)
+            self.created += 1
+        return ShmSegment.create(new_segment_name(), size)
+
+    def release(self, segment: Any) -> None:
+        """A segment its reader is done with: idle for the next transfer, or destroyed when it does not fit."""
+        evicted = []
+        with self._lock:
+            if segment.size <= self.max_idle_bytes and not segment.closed:
+                self._idle.append(segment)
+                segment = None
+                while sum(seg.size for seg in self._idle) > self.max_idle_bytes:
+                    evicted.append(self._idle.pop(0))
+        for seg in [*evicted, *([segment] if segment is not None else [])]:
+            _destroy(seg)
+
+    def retire(self, segment: Any) -> None:
+        """A segment that must not be reused (unacknowledged, or failed): unlinked and unmapped."""
+        _destroy(segment)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for seg in idle:
+            _destroy(seg)
+
+
+class ShmMappings:
+    """The destination's mappings of pooled segments, kept open by name so a segment the source reuses is read
+    without mapping it again (mapping populates its page tables: a cost of the order of the copy itself).
+
+    At most ``max_bytes`` stay mapped while unused, least recently used unmapped first; a mapping in use is
+    never unmapped. A mapping of a segment its source has since retired holds that memory until it is
+    evicted. Thread-safe.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._maps: OrderedDict[str, list[Any]] = OrderedDict()  # name -> [segment, users]
+        self._lock = threading.Lock()
+        self.opened = 0  # segments mapped
+
+    def acquire(self, transfer: ShmTransfer) -> Any:
+        """The segment of a pooled transfer, mapped (until :meth:`done`)."""
+        with self._lock:
+            entry = self._maps.get(transfer.name)
+            if entry is not None and entry[0].size >= transfer.nbytes:
+                self._maps.move_to_end(transfer.name)
+                entry[1] += 1
+                return entry[0]
+        segment = _open_segment(transfer)
+        with self._lock:
+            self.opened += 1
+            stale = self._maps.pop(transfer.name, None)
+            self._maps[transfer.name] = [segment, 1]
+        if stale is not None:
+            _close_mapping(stale[0])
+        return segment
+
+    def done(self, segment: Any) -> None:
+        evicted = []
+        with self._lock:
+            entry = self._maps.get(segment.name)
+            if entry is not None and entry[0] is segment:
+                entry[1] -= 1
+            else:  # replaced meanwhile: not in the table any more
+                evicted.append(segment)
+            total = sum(seg.size for seg, _ in self._maps.values())
+            for name in [n for n, (_, users) in self._maps.items() if users == 0]:
+                if total <= self.max_bytes:
+                    break
+                seg, _ = self._maps.pop(name)
+                total -= seg.size
+                evicted.append(seg)
+        for seg in evicted:
+            _close_mapping(seg)
+
+    @property
+    def mapped_bytes(self) -> int:
+        with self._lock:
+            return sum(seg.size for seg, _ in self._maps.values())
+
+    def close(self) -> None:
+        with self._lock:
+            maps, self._maps = self._maps, OrderedDict()
+        for seg, _ in maps.values():
+            _close_mapping(seg)
+
+
+def _close_mapping(segment: Any) -> None:
+    with contextlib.suppress(BufferError):  # a live view: unmapped when the last one goes
+        segment.close()
 
 
 class ShmChannel:
@@ -184,9 +348,18 @@ class ShmChannel:
     managers; every exit path unlinks what this side is responsible for and unmaps.
     """
 
-    def __init__(self, segment: Any, transfer: ShmTransfer) -> None:
+    def __init__(
+        self,
+        segment: Any,
+        transfer: ShmTransfer,
+        *,
+        release: Callable[[Any], None] | None = None,
+        pool: ShmPool | None = None,
+    ) -> None:
         self._segment = segment
         self._transfer = transfer
+        self._release = release  # where a pooled or cached mapping goes at the end (instead of unlink + unmap)
+        self._pool = pool  # the creator's pool, for recycle()
         self._views: dict[str, ArrayLike] = {}
         self._closed = False
 
@@ -194,11 +367,23 @@ class ShmChannel:
 
     @classmethod
     def create(
-        cls, layout: KVCacheLayout, num_ids: int, *, num_tokens: int | None = None, name: str | None = None
+        cls,
+        layout: KVCacheLayout,
+        num_ids: int,
+        *,
+        num_tokens: int | None = None,
+        name: str | None = None,
+        pool: ShmPool | None = None,
     ) -> ShmChannel:
-        """A new zero-filled segment sized for ``num_ids`` blocks of caches with this layout."""
+        """A new zero-filled segment sized for ``num_ids`` blocks of caches with this layout, or one from
+        ``pool`` (holding whatever its last transfer left)."""
         if layout.cuda_device is not None:
             raise KVLayoutMismatchError("shared memory carries host caches; the caches are on a CUDA device")
+        if pool is not None:
+            shape = layout.buffer_shape(num_ids)
+            segment = pool.acquire(math.prod(shape) * DTYPE_ITEMSIZE[layout.dtype])
+            transfer = ShmTransfer(segment.name, shape, layout.dtype, num_tokens, pooled=True)
+            return cls(segment, transfer, release=pool.retire, pool=pool)
         transfer = ShmTransfer(
             name=ShmSegment.normalize_name(name or new_segment_name()),
             shape=layout.buffer_shape(num_ids),
@@ -209,22 +394,13 @@ class ShmChannel:
         return cls(segment, transfer)
 
     @classmethod
-    def open(cls, transfer: ShmTransfer, *, unlink: bool = True) -> ShmChannel:
-        """Map the segment a source created for ``transfer``; ``unlink``: remove its name right away."""
-        try:
-            segment = ShmSegment.open(transfer.name)
-        except FileNotFoundError as exc:
-            raise ShmSegmentNotFoundError(
-                f"shared memory segment {transfer.name!r} does not exist: the source never created it, "
-                "already unlinked it, or the destination opened it before"
-            ) from exc
-        if segment.size != transfer.nbytes:  # not unlinked: a wrong descriptor must not destroy the segment
-            segment.close()
-            raise ShmSizeMismatchError(
-                f"shared memory segment {transfer.name!r} has {segment.size} bytes, the transfer describes "
-                f"{transfer.nbytes} ({list(transfer.shape)} {transfer.dtype})"
-            )
-        if unlink:
+    def open(cls, transfer: ShmTransfer, *, unlink: bool = True, mappings: ShmMappings | None = None) -> ShmChannel:
+        """Map the segment a source created for ``transfer``; ``unlink``: remove its name right away. A pooled
+        segment is never unlinked here (its source reuses it) and is taken from ``mappings`` when given."""
+        if transfer.pooled and mappings is not None:
+            return cls(mappings.acquire(transfer), transfer, release=mappings.done)
+        segment = _open_segment(transfer)
+        if unlink and not transfer.pooled:
             try:
                 segment.unlink()
             except BaseException:
@@ -276,6 +452,15 @@ class ShmChannel:
 
     # teardown
 
+    def recycle(self) -> None:
+        """The destination is done with this pooled segment: close the channel and give the segment back to its
+        pool for the next transfer (any other way of closing retires it)."""
+        if self._pool is None:
+            raise ValueError(f"shared memory channel {self.name!r} is not from a pool")
+        if not self._closed:
+            self._release = self._pool.release
+            self.close()
+
     def unlink(self) -> bool:
         """Remove the segment's name (mappings stay valid); False if it was already gone."""
         return bool(self._segment.unlink())
@@ -283,8 +468,12 @@ class ShmChannel:
     def close(self) -> None:
         """Close the channel and unmap the segment. Views of it handed out (:meth:`buffer`) stay valid if
         still referenced: the mapping then goes when the last of them and this object are gone."""
-        self._closed = True
+        was_closed, self._closed = self._closed, True
         self._views.clear()
+        if self._release is not None:
+            if not was_closed:  # the pool or the mappings take the segment over, once
+                self._release(self._segment)
+            return
         with contextlib.suppress(BufferError):  # a live view (maybe in a traceback): unmapped later, safely
             self._segment.close()
 
@@ -295,17 +484,21 @@ class ShmChannel:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         try:
-            if self._segment.created:
+            if self._segment.created and self._release is None:
                 self.unlink()  # the creator owns the name; harmless if the destination unlinked it already
         finally:
             self.close()
 
     def __del__(self) -> None:
-        # Last resort for a creator that never closed: do not leave the name behind in /dev/shm.
-        segment = getattr(self, "_segment", None)
-        if segment is not None and segment.created and not segment.unlinked:
-            with contextlib.suppress(Exception):
-                segment.unlink()
+        # Last resort for a channel never closed: do not leave the name behind in /dev/shm (a pooled segment is
+        # retired, a cached mapping given back).
+        if getattr(self, "_closed", True):
+            return
+        with contextlib.suppress(Exception):
+            if self._release is not None:
+                self.close()
+            elif self._segment.created and not self._segment.unlinked:
+                self._segment.unlink()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -319,15 +512,19 @@ def shm_send(
     num_tokens: int | None = None,
     num_threads: int | None = None,
     name: str | None = None,
+    pool: ShmPool | None = None,
 ) -> ShmChannel:
-    """Create a segment and gather ``block_ids`` of host caches into it; returns the open channel.
+    """Create a segment (or take one from ``pool``) and gather ``block_ids`` of host caches into it; returns
+    the open channel.
 
     Send ``channel.transfer`` to the destination and close the channel (``with`` block) once it has opened
-    the segment: closing unlinks the name. On any error the segment is unlinked before this raises.
+    the segment: closing unlinks the name. A pooled channel: ``recycle()`` once the destination has read it
+    all (closing it any other way retires the segment). On any error the segment is unlinked before this
+    raises.
     """
     layout = describe_kv_cache(layer_caches)
     ids = np.asarray(block_ids)
-    channel = ShmChannel.create(layout, len(ids), num_tokens=num_tokens, name=name)
+    channel = ShmChannel.create(layout, len(ids), num_tokens=num_tokens, name=name, pool=pool)
     try:
         channel.gather(layer_caches, ids, num_threads=num_threads)
     except BaseException:
@@ -342,9 +539,11 @@ def shm_receive(
     block_ids: BlockIds,
     *,
     num_threads: int | None = None,
+    mappings: ShmMappings | None = None,
 ) -> None:
-    """Open the segment of ``transfer`` (unlinking its name at once), scatter it into ``block_ids`` and unmap."""
-    with ShmChannel.open(transfer) as channel:
+    """Open the segment of ``transfer`` (unlinking its name at once unless it is pooled), scatter it into
+    ``block_ids`` and unmap it (or give a pooled one back to ``mappings``, kept mapped for the next)."""
+    with ShmChannel.open(transfer, mappings=mappings) as channel:
         channel.scatter(layer_caches, block_ids, num_threads=num_threads)
 
 

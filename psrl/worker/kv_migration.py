@@ -30,7 +30,7 @@ import grpc
 from psrl._proto import kv_migration_pb2, kv_migration_pb2_grpc
 from psrl.engine import AsyncEngine, InvalidRequestError, PreloadedKV
 from psrl.kv import KVLayoutSpec, LayoutError, check_compatible, plan_transfer
-from psrl.kv.channels import ShmChannel, ShmTransfer, shm_receive, shm_send
+from psrl.kv.channels import ShmChannel, ShmMappings, ShmPool, ShmTransfer, shm_receive, shm_send
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +94,11 @@ class KvMigrationServicer(kv_migration_pb2_grpc.KvMigrationServicer):
     """The source side, one instance per replica over its dp ranks' engines; also holds every rank's counters
     (the destination side, KvPuller, adds to them)."""
 
-    def __init__(self, engines: list[AsyncEngine]) -> None:
+    def __init__(self, engines: list[AsyncEngine], *, shm_pool_bytes: int = 0) -> None:
         self.engines = engines
         self.counters = [MigrationCounters() for _ in engines]
+        # Segments kept between transfers (0: a fresh segment per transfer); see psrl.kv.ShmPool.
+        self.shm_pool = ShmPool(shm_pool_bytes) if shm_pool_bytes > 0 else None
         self._outgoing: dict[str, _Outgoing] = {}
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -166,6 +168,7 @@ class KvMigrationServicer(kv_migration_pb2_grpc.KvMigrationServicer):
                 engine.engine.kv_cache.layers,
                 list(lease.block_ids[start // engine.engine.cache_config.block_size :]),
                 num_tokens=lease.num_tokens - start,
+                pool=self.shm_pool,
                 discard=lambda ch: ch.__exit__(None, None, None),
             )
         finally:
@@ -190,7 +193,7 @@ class KvMigrationServicer(kv_migration_pb2_grpc.KvMigrationServicer):
         out = self._outgoing.pop(request.transfer_id, None)
         if out is None:
             return kv_migration_pb2.ReleaseKvResponse(released=False)
-        self._close(out)
+        self._close(out, read=True)
         return kv_migration_pb2.ReleaseKvResponse(released=True)
 
     async def GetKvMigrationStats(
@@ -211,9 +214,14 @@ class KvMigrationServicer(kv_migration_pb2_grpc.KvMigrationServicer):
             pinned_requests=engine.engine.num_pinned,
         )
 
-    def _close(self, out: _Outgoing) -> None:
+    def _close(self, out: _Outgoing, *, read: bool = False) -> None:
+        """End an outgoing transfer; `read`: the peer said it has copied everything out (a pooled segment can
+        then serve the next transfer; otherwise it is retired, as the peer may still be reading)."""
         with contextlib.suppress(Exception):
-            out.channel.__exit__(None, None, None)  # unlinks the name (if the peer did not) and unmaps
+            if read and out.channel.transfer.pooled:
+                out.channel.recycle()
+            else:
+                out.channel.__exit__(None, None, None)  # unlinks the name (if the peer did not) and unmaps
         if not out.keep_pin:
             self.engines[out.rank].engine.unpin_kv(out.request_id)
 
@@ -228,6 +236,8 @@ class KvMigrationServicer(kv_migration_pb2_grpc.KvMigrationServicer):
         for out in self._outgoing.values():
             self._close(out)
         self._outgoing.clear()
+        if self.shm_pool is not None:
+            self.shm_pool.close()
 
 
 def remove_stale_segments(shm_dir: Path = Path("/dev/shm")) -> int:
@@ -290,9 +300,11 @@ class KvTransferParams:
 class KvPuller:
     """The destination side: fetch a request's KV from its source into reserved blocks of one engine."""
 
-    def __init__(self, counters: list[MigrationCounters], self_target: str) -> None:
+    def __init__(self, counters: list[MigrationCounters], self_target: str, *, shm_mappings_bytes: int = 0) -> None:
         self._counters = counters
         self._self_target = self_target  # this replica's own host:port: a source here needs no transfer
+        # Pooled source segments kept mapped between transfers (0: map each one for its transfer only).
+        self.shm_mappings = ShmMappings(shm_mappings_bytes) if shm_mappings_bytes > 0 else None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._releases: set[asyncio.Task[None]] = set()
 
@@ -389,7 +401,9 @@ class KvPuller:
             block_size = engine.engine.cache_config.block_size
             plan = plan_transfer(list(reply.block_ids), table, num_tokens=n, block_size=block_size, start=start)
             transfer = ShmTransfer.from_dict(json.loads(reply.transfer_json))
-            await _in_thread(shm_receive, transfer, engine.engine.kv_cache.layers, plan.dst_block_ids)
+            await _in_thread(
+                shm_receive, transfer, engine.engine.kv_cache.layers, plan.dst_block_ids, mappings=self.shm_mappings
+            )
         except BaseException:
             engine.engine.release_blocks(held + reserved)
             raise
@@ -418,3 +432,5 @@ class KvPuller:
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
+        if self.shm_mappings is not None:
+            self.shm_mappings.close()

@@ -51,6 +51,7 @@ class WorkerArgs:
     worker_id: str | None = None
     torch_threads: int = 0
     kv_pin_ttl_s: float = 30.0
+    kv_shm_pool_mib: int = 512
 
     def validate(self) -> None:
         if self.dp_size < 1:
@@ -59,6 +60,8 @@ class WorkerArgs:
             raise ValueError("--port must be in [0, 65535]")
         if self.kv_pin_ttl_s < 0:
             raise ValueError("--kv-pin-ttl-s must be >= 0")
+        if self.kv_shm_pool_mib < 0:
+            raise ValueError("--kv-shm-pool-mib must be >= 0")
 
 
 def parse_args(argv: list[str] | None = None) -> WorkerArgs:
@@ -94,6 +97,13 @@ def parse_args(argv: list[str] | None = None) -> WorkerArgs:
         type=float,
         default=d.kv_pin_ttl_s,
         help="a sync abort pins each request's KV this long for a peer to pull (KV migration); 0 = never pin",
+    )
+    p.add_argument(
+        "--kv-shm-pool-mib",
+        type=int,
+        default=d.kv_shm_pool_mib,
+        help="KV migration: shared memory kept mapped between transfers, on each side (MiB; 0 = a fresh "
+        "segment per transfer)",
     )
     args = WorkerArgs(**vars(p.parse_args(argv)))
     args.validate()
@@ -133,8 +143,8 @@ async def serve(args: WorkerArgs) -> None:
     if port == 0:
         raise OSError(f"cannot bind {args.host}:{args.port}")
     target = f"{args.host}:{port}"
-    migration = KvMigrationServicer(engines)
-    kv_puller = KvPuller(migration.counters, target)
+    migration = KvMigrationServicer(engines, shm_pool_bytes=args.kv_shm_pool_mib << 20)
+    kv_puller = KvPuller(migration.counters, target, shm_mappings_bytes=args.kv_shm_pool_mib << 20)
     servicer = ReferenceServicer(engines, folder, served_name, kv_puller)
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
     replica_control_pb2_grpc.add_ReplicaControlServicer_to_server(ReplicaControlServicer(engines), server)

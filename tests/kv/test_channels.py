@@ -22,6 +22,8 @@ from psrl.kv import channels
 from psrl.kv.channels import (
     KVLayoutMismatchError,
     ShmChannel,
+    ShmMappings,
+    ShmPool,
     ShmSegment,
     ShmSegmentNotFoundError,
     ShmSizeMismatchError,
@@ -126,6 +128,27 @@ def child_receive(seed: int, spec: dict[str, Any], transfer: dict[str, Any], ids
     _, caches = make_caches(seed, spec["layers"], spec["blocks"], spec["shape"], spec["dtype"], spec["layout"])
     shm_receive(ShmTransfer.from_dict(transfer), caches, ids)
     return [bits_of(c, spec["dtype"]).copy() for c in caches]
+
+
+_POOL: list[ShmPool] = []  # a worker's source pool, kept across calls
+
+
+def child_pooled_send(seed: int, spec: dict[str, Any], ids: list[int], num_tokens: int | None) -> dict[str, Any]:
+    if not _POOL:
+        _POOL.append(ShmPool(64 << 20, min_segment_bytes=4096))
+    _, caches = make_caches(seed, spec["layers"], spec["blocks"], spec["shape"], spec["dtype"], spec["layout"])
+    channel = shm_send(caches, ids, num_tokens=num_tokens, pool=_POOL[0])
+    _LIVE[channel.name] = channel
+    return channel.transfer.to_dict()
+
+
+def child_recycle(name: str) -> dict[str, int]:
+    _LIVE.pop(name).recycle()
+    return {"created": _POOL[0].created, "reused": _POOL[0].reused}
+
+
+def child_close_pool() -> None:
+    _POOL.pop().close()
 
 
 def child_open_missing(transfer: dict[str, Any]) -> str:
@@ -235,6 +258,89 @@ def test_shm_open_after_unlink_in_other_process(worker: ProcessPoolExecutor) -> 
     assert channel.name in message
 
 
+def test_pooled_segments_serve_later_transfers_across_processes(worker: ProcessPoolExecutor) -> None:
+    """The source (a child) keeps its segment for the next transfer once this side has read it; this side keeps
+    it mapped: the second transfer neither creates nor maps a segment, and both arrive intact (the second one
+    smaller, into a segment still holding the first one's bytes past its end)."""
+    shape = (16, 2, 32)
+    src = {"layers": 2, "blocks": 20, "shape": shape, "dtype": "float16", "layout": "HND"}
+    src_bits, _ = make_caches(31, 2, 20, shape, "float16", "HND")
+    mappings = ShmMappings(64 << 20)
+    names = []
+    try:
+        for ids, num_tokens in (([3, 1, 4, 5], 60), ([9, 2, 6], 40)):
+            transfer = ShmTransfer.from_dict(worker.submit(child_pooled_send, 31, src, ids, num_tokens).result())
+            assert transfer.pooled and transfer.nbytes == 2 * 2 * len(ids) * 16 * 2 * 32 * 2
+            dst_bits, dst = make_caches(32, 2, 12, shape, "float16", "NHD")
+            shm_receive(transfer, dst, [7, 0, 11, 5][: len(ids)], mappings=mappings)
+            expected = scatter_ref(
+                gather_ref(src_bits, np.array(ids), num_tokens),
+                dst_bits,
+                np.array([7, 0, 11, 5][: len(ids)]),
+                num_tokens,
+            )
+            for cache, after in zip(dst, expected, strict=True):
+                np.testing.assert_array_equal(bits_of(cache, "float16"), after)
+            assert (DEV_SHM / transfer.name.lstrip("/")).exists()  # pooled: the destination leaves the name
+            names.append(transfer.name)
+            stats = worker.submit(child_recycle, transfer.name).result()
+        assert names[0] == names[1] and stats == {"created": 1, "reused": 1} and mappings.opened == 1
+    finally:
+        mappings.close()
+        worker.submit(child_close_pool).result()
+    assert not (DEV_SHM / names[0].lstrip("/")).exists()
+
+
+def test_pool_reuses_only_read_segments_and_keeps_its_bound() -> None:
+    _, caches = make_caches(41, 1, 8, (4, 2, 8), "float16", "NHD")  # a block: 2 * 4 * 2 * 8 * 2 = 256 bytes
+    pool = ShmPool(4096, min_segment_bytes=1024)
+    try:
+        first = shm_send(caches, [1, 2], pool=pool)  # 512 bytes: the 1024-byte class
+        assert pool.size_class(first.transfer.nbytes) == 1024 and first.segment.size == 1024
+        first.__exit__(None, None, None)  # never acknowledged: retired, not reused (a reader may still copy)
+        assert not (DEV_SHM / first.name.lstrip("/")).exists()
+        second = shm_send(caches, [3], pool=pool)
+        assert (pool.created, pool.reused) == (2, 0)
+        second.recycle()
+        assert pool.idle_bytes == 1024 and (DEV_SHM / second.name.lstrip("/")).exists()
+        third = shm_send(caches, [4, 5, 6], pool=pool)  # 768 bytes: the same class, the same segment
+        assert third.name == second.name and (pool.created, pool.reused) == (2, 1)
+        big = shm_send(caches, list(range(8)), pool=pool)  # 2048 bytes: a class of its own
+        third.recycle()
+        big.recycle()
+        assert pool.idle_bytes == 3072
+        huge = ShmPool(1024, min_segment_bytes=1024)
+        over = shm_send(caches, list(range(8)), pool=huge)
+        over.recycle()  # larger than the pool's bound: destroyed
+        assert huge.idle_bytes == 0 and not (DEV_SHM / over.name.lstrip("/")).exists()
+        with pytest.raises(ValueError, match="not from a pool"):
+            shm_send(caches, [1]).recycle()
+    finally:
+        pool.close()
+    assert pool.idle_bytes == 0 and not (DEV_SHM / third.name.lstrip("/")).exists()
+
+
+def test_mappings_keep_their_bound_but_never_unmap_one_in_use() -> None:
+    _, caches = make_caches(42, 1, 8, (4, 2, 8), "float16", "NHD")
+    pool = ShmPool(1 << 20, min_segment_bytes=1024)
+    mappings = ShmMappings(1024)
+    try:
+        a, b = shm_send(caches, [1], pool=pool), shm_send(caches, [2], pool=pool)
+        held = ShmChannel.open(a.transfer, mappings=mappings)  # in use
+        with ShmChannel.open(b.transfer, mappings=mappings):
+            pass
+        # 2048 bytes mapped against a bound of 1024: b (unused) went, a (in use) stays mapped
+        assert mappings.mapped_bytes == 1024 and not held.segment.closed
+        held.close()
+        assert mappings.mapped_bytes == 1024  # within the bound once a is unused: kept for the next transfer
+        again = ShmChannel.open(a.transfer, mappings=mappings)
+        assert again.segment is held.segment and mappings.opened == 2
+        again.close()
+    finally:
+        mappings.close()
+        pool.close()
+
+
 # --- one process: the channel object -------------------------------------------------------------------
 
 
@@ -316,7 +422,9 @@ def test_channel_round_trip_in_process(dtype_name: str) -> None:
 def test_transfer_descriptor() -> None:
     transfer = ShmTransfer("/x", (2, 2, 3, 16, 8, 128), "bfloat16", num_tokens=40)
     assert transfer.nbytes == 2 * 2 * 3 * 16 * 8 * 128 * 2 and transfer.num_ids == 3 and transfer.itemsize == 2
-    assert ShmTransfer.from_dict(transfer.to_dict()) == transfer
+    assert ShmTransfer.from_dict(transfer.to_dict()) == transfer and "pooled" not in transfer.to_dict()
+    pooled = ShmTransfer("/x", (2, 2, 3, 16, 8, 128), "bfloat16", pooled=True)
+    assert ShmTransfer.from_dict(pooled.to_dict()) == pooled
     with pytest.raises(ValueError, match="dtype"):
         ShmTransfer("/x", (2, 2, 3, 16, 8, 128), "float64")
     with pytest.raises(ValueError, match="shape"):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -42,18 +43,27 @@ async def _abort(engine: AsyncEngine, request_id: str, stream: AsyncIterator[obj
         pass
 
 
-@pytest.fixture
-async def source() -> AsyncIterator[tuple[str, KvMigrationServicer]]:
-    servicer = KvMigrationServicer([_engine()])
+@contextlib.asynccontextmanager
+async def _serving(shm_pool_bytes: int) -> AsyncIterator[tuple[str, KvMigrationServicer]]:
+    """A replica's migration service on its own port (a segment per transfer, or `shm_pool_bytes` pooled)."""
+    servicer = KvMigrationServicer([_engine()], shm_pool_bytes=shm_pool_bytes)
     server = grpc.aio.server()
     pb_grpc.add_KvMigrationServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    yield f"127.0.0.1:{port}", servicer
-    await server.stop(0)
-    servicer.close()
-    for e in servicer.engines:
-        e.shutdown()
+    try:
+        yield f"127.0.0.1:{port}", servicer
+    finally:
+        await server.stop(0)
+        servicer.close()
+        for e in servicer.engines:
+            e.shutdown()
+
+
+@pytest.fixture(params=[0, 16 << 20], ids=["fresh-segments", "pooled-segments"])
+async def source(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, KvMigrationServicer]]:
+    async with _serving(request.param) as served:
+        yield served
 
 
 async def test_transfer_refusals_say_why(source) -> None:
@@ -216,6 +226,44 @@ async def test_a_prompt_the_destination_holds_needs_no_transfer(source) -> None:
         assert kv is not None and kv.num_tokens == 32  # all it needs is here: nothing asked of the source
         assert servicer.counters[0].transfers_in == 0 and servicer.counters[0].transfers_out == 0
         dest.engine.release_blocks(kv.block_ids)
+    finally:
+        await puller.close()
+        dest.shutdown()
+
+
+async def test_pooled_segments_serve_the_next_pull() -> None:
+    async with _serving(16 << 20) as (target, servicer):
+        await _pull_three_times(target, servicer)
+
+
+async def _pull_three_times(target: str, servicer: KvMigrationServicer) -> None:
+    assert servicer.shm_pool is not None
+    src = servicer.engines[0]
+    dest = _engine()
+    puller = KvPuller(servicer.counters, "127.0.0.1:1", shm_mappings_bytes=16 << 20)
+    try:
+        for i in range(3):  # another prompt each time: the reused segment holds the previous request's KV
+            rid, prompt = f"r{i}", [t + 7 * i for t in PROMPT]
+            stream = src.generate(rid, prompt, SamplingOptions(temperature=0.0, max_tokens=50, ignore_eos=True))
+            await stream.__anext__()
+            async with grpc.aio.insecure_channel(target) as ch:
+                await pb_grpc.KvMigrationStub(ch).PinKv(pb.PinKvRequest(request_id=rid, ttl_ms=10_000))
+            await _abort(src, rid, stream)
+            lease = src.engine.lease_kv(rid, prompt, allow_prefix_cache=False)
+            kv = await puller.pull(dest, 0, prompt, KvTransferParams(target, 0, rid, 0, "pin_sync", 5000))
+            assert kv is not None and lease is not None and kv.num_tokens == len(prompt) - 1
+            for pos in range(kv.num_tokens):  # the destination holds exactly the source's KV
+                s_block, d_block = lease.block_ids[pos // 16], kv.block_ids[pos // 16]
+                for s_layer, d_layer in zip(src.engine.kv_cache.layers, dest.engine.kv_cache.layers, strict=True):
+                    assert (s_layer[:, s_block, pos % 16] == d_layer[:, d_block, pos % 16]).all()
+            src.engine.release_blocks(lease.block_ids)
+            dest.engine.release_blocks(kv.block_ids)
+            for _ in range(100):  # the acknowledgement that recycles the segment goes out in the background
+                if servicer.shm_pool.idle_bytes:
+                    break
+                await asyncio.sleep(0.02)
+        assert (servicer.shm_pool.created, servicer.shm_pool.reused) == (1, 2)
+        assert puller.shm_mappings is not None and puller.shm_mappings.opened == 1
     finally:
         await puller.close()
         dest.shutdown()
