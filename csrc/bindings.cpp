@@ -150,14 +150,16 @@ void bind_shm(py::module_& m) {
          [](const std::string& name, size_t size) {
            return std::make_unique<PyShmSegment>(PyShmSegment{ShmSegment::create(name, size), 0});
          },
-         py::arg("name"), py::arg("size"),
-         "Create a new segment (O_CREAT | O_EXCL, mode 0600) of `size` zero bytes and map it read-write.")
+         py::arg("name"), py::arg("size"), py::call_guard<py::gil_scoped_release>(),
+         "Create a new segment (O_CREAT | O_EXCL, mode 0600) of `size` zero bytes and map it read-write\n"
+         "(pages reserved and mapped up front, with the GIL released).")
       .def_static(
           "open",
           [](const std::string& name, bool readonly) {
             return std::make_unique<PyShmSegment>(PyShmSegment{ShmSegment::open(name, readonly), 0});
           },
-          py::arg("name"), py::arg("readonly") = false, "Map an existing segment, all of it.")
+          py::arg("name"), py::arg("readonly") = false, py::call_guard<py::gil_scoped_release>(),
+          "Map an existing segment, all of it (pages mapped up front, with the GIL released).")
       .def_static("unlink_name", &ShmSegment::unlink_name, py::arg("name"),
                   "shm_unlink a segment by name; False if it did not exist.")
       .def_static("normalize_name", &ShmSegment::normalize_name, py::arg("name"),

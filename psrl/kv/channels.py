@@ -85,6 +85,7 @@ NcclUnavailableError: type[RuntimeError] = _kvx.NcclUnavailableError
 CudaEvent: Any = getattr(_kvx, "CudaEvent", None)  # None in a build without CUDA
 
 _SEGMENT_PREFIX = "psrl-kv"
+SHM_DIR = Path("/dev/shm")  # where Linux keeps POSIX shared-memory names
 _BITS_DTYPE = {2: np.int16, 4: np.int32}  # numpy view of a dtype numpy may lack (bf16)
 
 
@@ -190,8 +191,8 @@ def _open_segment(transfer: ShmTransfer) -> Any:
         segment = ShmSegment.open(transfer.name)
     except FileNotFoundError as exc:
         raise ShmSegmentNotFoundError(
-            f"shared memory segment {transfer.name!r} does not exist: the source never created it, "
-            "already unlinked it, or the destination opened it before"
+            f"shared memory segment {transfer.name!r} does not exist: the source never created it or removed it, "
+            "or a destination unlinked it on opening it before"
         ) from exc
     if segment.size < transfer.nbytes or (segment.size != transfer.nbytes and not transfer.pooled):
         segment.close()  # not unlinked: a wrong descriptor must not destroy the segment
@@ -202,11 +203,20 @@ def _open_segment(transfer: ShmTransfer) -> Any:
     return segment
 
 
+def _linked(segment: Any) -> bool:
+    """Whether the segment's name still exists (a POSIX shm name is a file under /dev/shm on Linux)."""
+    return (SHM_DIR / segment.name.lstrip("/")).exists()
+
+
+def _unmap(segment: Any) -> None:
+    with contextlib.suppress(BufferError):  # a live view: unmapped when the last one goes
+        segment.close()
+
+
 def _destroy(segment: Any) -> None:
     with contextlib.suppress(FileNotFoundError):
         segment.unlink()
-    with contextlib.suppress(BufferError):  # a live view: unmapped when the last one goes
-        segment.close()
+    _unmap(segment)
 
 
 class ShmPool:
@@ -214,9 +224,11 @@ class ShmPool:
 
     Making a segment (allocating and zeroing its pages, mapping them) costs several times the gather into it,
     so a segment whose destination has acknowledged the transfer (:meth:`ShmChannel.recycle`) comes back here
-    for the next transfer of its size class (powers of two from ``min_segment_bytes``). At most
-    ``max_idle_bytes`` stay idle (the least recently used go first). A segment whose transfer was never
-    acknowledged is retired, never reused: its reader may still be copying out of it. Thread-safe.
+    for the next transfer of its size class (powers of two from ``min_segment_bytes``; a transfer whose class
+    exceeds ``max_idle_bytes`` gets a fresh segment of its own size instead). At most ``max_idle_bytes`` stay
+    idle, the least recently used given up first. A segment is never reused when its transfer was not
+    acknowledged (its reader may still be copying), when something still views it, or when its name is gone
+    (removed from outside: a reader could not open it). Thread-safe.
     """
 
     def __init__(self, max_idle_bytes: int, *, min_segment_bytes: int = 1 << 20) -> None:
@@ -225,12 +237,17 @@ class ShmPool:
         self.max_idle_bytes = max_idle_bytes
         self._min = min_segment_bytes
         self._idle: list[Any] = []  # mapped segments nobody uses, least recently used first
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: a channel's __del__ may run inside a locked section
+        self._closed = False
         self.created = 0  # segments made
         self.reused = 0  # transfers served by an idle segment
 
     def size_class(self, nbytes: int) -> int:
         return max(self._min, 1 << max(nbytes - 1, 0).bit_length())
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a transfer of `nbytes` goes through the pool (its size class may stay idle here)."""
+        return self.size_class(nbytes) <= self.max_idle_bytes
 
     @property
     def idle_bytes(self) -> int:
@@ -238,26 +255,39 @@ class ShmPool:
             return sum(seg.size for seg in self._idle)
 
     def acquire(self, nbytes: int) -> Any:
-        """A mapped segment of at least `nbytes` (its size class) for one transfer."""
+        """A mapped segment of `nbytes`' size class for one transfer: the most recently used idle one (likely
+        still mapped by its last reader), or a new one."""
         size = self.size_class(nbytes)
-        with self._lock:
-            for i, seg in enumerate(self._idle):
-                if seg.size == size:
-                    self.reused += 1
-                    return self._idle.pop(i)
-            self.created += 1
-        return ShmSegment.create(new_segment_name(), size)
+        stale = []
+        try:
+            with self._lock:
+                for i in range(len(self._idle) - 1, -1, -1):
+                    seg = self._idle[i]
+                    if seg.size != size:
+                        continue
+                    del self._idle[i]
+                    if _linked(seg):
+                        self.reused += 1
+                        return seg
+                    stale.append(seg)
+                self.created += 1
+            return ShmSegment.create(new_segment_name(), size)
+        finally:
+            for seg in stale:
+                _destroy(seg)
 
     def release(self, segment: Any) -> None:
-        """A segment its reader is done with: idle for the next transfer, or destroyed when it does not fit."""
-        evicted = []
+        """A segment its reader is done with: idle for the next transfer, or destroyed when it may not be reused
+        (see the class) or does not fit."""
+        evicted = [segment]
         with self._lock:
-            if segment.size <= self.max_idle_bytes and not segment.closed:
+            reusable = not self._closed and not segment.closed and segment.exports == 0 and _linked(segment)
+            if reusable and segment.size <= self.max_idle_bytes:
                 self._idle.append(segment)
-                segment = None
+                evicted = []
                 while sum(seg.size for seg in self._idle) > self.max_idle_bytes:
                     evicted.append(self._idle.pop(0))
-        for seg in [*evicted, *([segment] if segment is not None else [])]:
+        for seg in evicted:
             _destroy(seg)
 
     def retire(self, segment: Any) -> None:
@@ -265,7 +295,9 @@ class ShmPool:
         _destroy(segment)
 
     def close(self) -> None:
+        """Destroy the idle segments; segments released later are destroyed too."""
         with self._lock:
+            self._closed = True
             idle, self._idle = self._idle, []
         for seg in idle:
             _destroy(seg)
@@ -275,32 +307,36 @@ class ShmMappings:
     """The destination's mappings of pooled segments, kept open by name so a segment the source reuses is read
     without mapping it again (mapping populates its page tables: a cost of the order of the copy itself).
 
-    At most ``max_bytes`` stay mapped while unused, least recently used unmapped first; a mapping in use is
-    never unmapped. A mapping of a segment its source has since retired holds that memory until it is
-    evicted. Thread-safe.
+    At most ``max_bytes`` stay mapped while unused: mappings of segments whose name is gone (the source gave
+    them up) are dropped first, then the least recently used. A mapping in use is never unmapped. Until it is
+    dropped, a mapping of a segment its source has given up still holds that segment's memory. Thread-safe.
     """
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._maps: OrderedDict[str, list[Any]] = OrderedDict()  # name -> [segment, users]
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: a channel's __del__ may run inside a locked section
         self.opened = 0  # segments mapped
 
     def acquire(self, transfer: ShmTransfer) -> Any:
         """The segment of a pooled transfer, mapped (until :meth:`done`)."""
         with self._lock:
             entry = self._maps.get(transfer.name)
-            if entry is not None and entry[0].size >= transfer.nbytes:
+            if entry is not None:
+                if entry[0].size < transfer.nbytes:  # a name has one size: a wrong descriptor
+                    raise ShmSizeMismatchError(
+                        f"shared memory segment {transfer.name!r} has {entry[0].size} bytes, the transfer "
+                        f"describes {transfer.nbytes}"
+                    )
                 self._maps.move_to_end(transfer.name)
                 entry[1] += 1
                 return entry[0]
         segment = _open_segment(transfer)
         with self._lock:
             self.opened += 1
-            stale = self._maps.pop(transfer.name, None)
+            if transfer.name in self._maps:  # opened twice at once (cannot happen with one transfer per segment)
+                return segment  # not tracked: the caller's done() unmaps it
             self._maps[transfer.name] = [segment, 1]
-        if stale is not None:
-            _close_mapping(stale[0])
         return segment
 
     def done(self, segment: Any) -> None:
@@ -309,17 +345,21 @@ class ShmMappings:
             entry = self._maps.get(segment.name)
             if entry is not None and entry[0] is segment:
                 entry[1] -= 1
-            else:  # replaced meanwhile: not in the table any more
+            else:
                 evicted.append(segment)
+            unused = [name for name, (_, users) in self._maps.items() if users == 0]
+            for name in [n for n in unused if not _linked(self._maps[n][0])]:
+                evicted.append(self._maps.pop(name)[0])
             total = sum(seg.size for seg, _ in self._maps.values())
-            for name in [n for n, (_, users) in self._maps.items() if users == 0]:
+            for name in unused:
                 if total <= self.max_bytes:
                     break
-                seg, _ = self._maps.pop(name)
-                total -= seg.size
-                evicted.append(seg)
+                if name in self._maps:
+                    seg = self._maps.pop(name)[0]
+                    total -= seg.size
+                    evicted.append(seg)
         for seg in evicted:
-            _close_mapping(seg)
+            _unmap(seg)
 
     @property
     def mapped_bytes(self) -> int:
@@ -330,12 +370,7 @@ class ShmMappings:
         with self._lock:
             maps, self._maps = self._maps, OrderedDict()
         for seg, _ in maps.values():
-            _close_mapping(seg)
-
-
-def _close_mapping(segment: Any) -> None:
-    with contextlib.suppress(BufferError):  # a live view: unmapped when the last one goes
-        segment.close()
+            _unmap(seg)
 
 
 class ShmChannel:
@@ -346,6 +381,10 @@ class ShmChannel:
     the name). The destination calls :meth:`open` (which unlinks the name at once by default: the mapping
     stays valid, and nothing is left behind if either process dies) and :meth:`scatter`. Both are context
     managers; every exit path unlinks what this side is responsible for and unmaps.
+
+    A pooled segment (``create(pool=...)``) outlives its channel: the source calls :meth:`recycle` once the
+    destination has read it all (any other exit retires the segment); the destination never unlinks it, and
+    with ``open(mappings=...)`` leaves it mapped for the next transfer.
     """
 
     def __init__(
@@ -376,11 +415,13 @@ class ShmChannel:
         pool: ShmPool | None = None,
     ) -> ShmChannel:
         """A new zero-filled segment sized for ``num_ids`` blocks of caches with this layout, or one from
-        ``pool`` (holding whatever its last transfer left)."""
+        ``pool`` (holding whatever its last transfer left; a transfer too large for the pool gets its own)."""
         if layout.cuda_device is not None:
             raise KVLayoutMismatchError("shared memory carries host caches; the caches are on a CUDA device")
-        if pool is not None:
-            shape = layout.buffer_shape(num_ids)
+        if pool is not None and name is not None:
+            raise ValueError("a pooled segment is named by its pool: pass name or pool, not both")
+        shape = layout.buffer_shape(num_ids)
+        if pool is not None and pool.fits(math.prod(shape) * DTYPE_ITEMSIZE[layout.dtype]):
             segment = pool.acquire(math.prod(shape) * DTYPE_ITEMSIZE[layout.dtype])
             transfer = ShmTransfer(segment.name, shape, layout.dtype, num_tokens, pooled=True)
             return cls(segment, transfer, release=pool.retire, pool=pool)
@@ -490,15 +531,16 @@ class ShmChannel:
             self.close()
 
     def __del__(self) -> None:
-        # Last resort for a channel never closed: do not leave the name behind in /dev/shm (a pooled segment is
-        # retired, a cached mapping given back).
-        if getattr(self, "_closed", True):
+        # Last resort for a creator that never unlinked, or a channel never closed: do not leave the name
+        # behind in /dev/shm (a pooled segment is retired, a cached mapping given back).
+        segment = getattr(self, "_segment", None)
+        if segment is None:
             return
         with contextlib.suppress(Exception):
             if self._release is not None:
-                self.close()
-            elif self._segment.created and not self._segment.unlinked:
-                self._segment.unlink()
+                self.close()  # runs the release once, whenever the channel is closed
+            elif segment.created and not segment.unlinked:
+                segment.unlink()
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"

@@ -112,7 +112,7 @@ class KvMigrationServicer(kv_migration_pb2_grpc.KvMigrationServicer):
         async def sweep() -> None:
             while True:
                 await asyncio.sleep(UNACKED_TRANSFER_TTL_S / 4)
-                self._expire_outgoing()
+                await self._end(self._expired(), read=False)
 
         self._sweeper = asyncio.create_task(sweep())
 
@@ -143,7 +143,7 @@ class KvMigrationServicer(kv_migration_pb2_grpc.KvMigrationServicer):
     ) -> kv_migration_pb2.TransferKvResponse:
         rank = request.data_parallel_rank
         engine = await self._rank(rank, context)
-        self._expire_outgoing()
+        await self._end(self._expired(), read=False)
         if request.channel not in ("", "shm"):
             return kv_migration_pb2.TransferKvResponse(reason=f"channel {request.channel!r} is not served here")
         if request.layout_json:
@@ -193,7 +193,7 @@ class KvMigrationServicer(kv_migration_pb2_grpc.KvMigrationServicer):
         out = self._outgoing.pop(request.transfer_id, None)
         if out is None:
             return kv_migration_pb2.ReleaseKvResponse(released=False)
-        self._close(out, read=True)
+        await self._end([out], read=True)
         return kv_migration_pb2.ReleaseKvResponse(released=True)
 
     async def GetKvMigrationStats(
@@ -225,10 +225,20 @@ class KvMigrationServicer(kv_migration_pb2_grpc.KvMigrationServicer):
         if not out.keep_pin:
             self.engines[out.rank].engine.unpin_kv(out.request_id)
 
-    def _expire_outgoing(self) -> None:
+    def _expired(self) -> list[_Outgoing]:
+        """Take the transfers no peer acknowledged within the TTL out of the table."""
         deadline = time.monotonic() - UNACKED_TRANSFER_TTL_S
-        for transfer_id in [t for t, o in self._outgoing.items() if o.created < deadline]:
-            self._close(self._outgoing.pop(transfer_id))
+        return [self._outgoing.pop(t) for t in [t for t, o in self._outgoing.items() if o.created < deadline]]
+
+    async def _end(self, outs: list[_Outgoing], *, read: bool) -> None:
+        """Close transfers off the event loop (unmapping and freeing a large segment takes a while)."""
+
+        def close_all() -> None:
+            for out in outs:
+                self._close(out, read=read)
+
+        if outs:
+            await asyncio.to_thread(close_all)
 
     def close(self) -> None:
         if self._sweeper is not None:

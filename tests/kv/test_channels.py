@@ -309,15 +309,50 @@ def test_pool_reuses_only_read_segments_and_keeps_its_bound() -> None:
         third.recycle()
         big.recycle()
         assert pool.idle_bytes == 3072
-        huge = ShmPool(1024, min_segment_bytes=1024)
-        over = shm_send(caches, list(range(8)), pool=huge)
-        over.recycle()  # larger than the pool's bound: destroyed
-        assert huge.idle_bytes == 0 and not (DEV_SHM / over.name.lstrip("/")).exists()
+        small = ShmPool(1024, min_segment_bytes=1024)
+        with shm_send(caches, list(range(8)), pool=small) as over:  # its class exceeds the bound: not pooled
+            assert not over.transfer.pooled and over.segment.size == over.transfer.nbytes == 2048
+        assert small.created == 0 and not (DEV_SHM / over.name.lstrip("/")).exists()
         with pytest.raises(ValueError, match="not from a pool"):
             shm_send(caches, [1]).recycle()
+        with pytest.raises(ValueError, match="not both"):
+            shm_send(caches, [1], pool=pool, name="/psrl-test-x")
     finally:
         pool.close()
     assert pool.idle_bytes == 0 and not (DEV_SHM / third.name.lstrip("/")).exists()
+    late = shm_send(caches, [1], pool=pool)
+    late.recycle()  # released after close: destroyed, not kept
+    assert pool.idle_bytes == 0 and not (DEV_SHM / late.name.lstrip("/")).exists()
+
+
+def test_pool_never_reuses_a_segment_someone_views_or_removed() -> None:
+    _, caches = make_caches(43, 1, 8, (4, 2, 8), "float16", "NHD")
+    pool = ShmPool(1 << 20, min_segment_bytes=1024)
+    try:
+        viewed = shm_send(caches, [1], pool=pool)
+        view = np.frombuffer(viewed.segment, dtype=np.uint8)
+        viewed.recycle()  # a live view would see the next transfer's bytes: retired instead
+        assert pool.idle_bytes == 0 and not (DEV_SHM / viewed.name.lstrip("/")).exists()
+        del view
+        removed = shm_send(caches, [2], pool=pool)
+        removed.recycle()
+        channels.ShmSegment.unlink_name(removed.name)  # e.g. a stale-segment sweep: no reader could open it
+        fresh = shm_send(caches, [3], pool=pool)
+        assert fresh.name != removed.name and (pool.created, pool.reused) == (3, 0)
+        fresh.recycle()
+        assert pool.idle_bytes == 1024
+    finally:
+        pool.close()
+
+
+def test_a_creator_only_closed_is_unlinked_when_collected() -> None:
+    _, caches = make_caches(44, 1, 8, (4, 2, 8), "float16", "NHD")
+    channel = shm_send(caches, [1])
+    name = channel.name
+    channel.close()
+    assert (DEV_SHM / name.lstrip("/")).exists()
+    del channel
+    assert not (DEV_SHM / name.lstrip("/")).exists()
 
 
 def test_mappings_keep_their_bound_but_never_unmap_one_in_use() -> None:
@@ -336,6 +371,12 @@ def test_mappings_keep_their_bound_but_never_unmap_one_in_use() -> None:
         again = ShmChannel.open(a.transfer, mappings=mappings)
         assert again.segment is held.segment and mappings.opened == 2
         again.close()
+        a.recycle()
+        b.recycle()
+        channels.ShmSegment.unlink_name(a.name)  # the source gave it up: its mapping goes first
+        with ShmChannel.open(b.transfer, mappings=mappings):
+            pass
+        assert mappings.mapped_bytes == 1024 and mappings.opened == 3  # b again; a's mapping dropped
     finally:
         mappings.close()
         pool.close()

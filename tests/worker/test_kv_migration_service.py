@@ -17,6 +17,7 @@ import pytest
 from psrl._proto import kv_migration_pb2 as pb
 from psrl._proto import kv_migration_pb2_grpc as pb_grpc
 from psrl.engine import AsyncEngine, CacheConfig, Engine, ModelConfig, SamplingOptions
+from psrl.worker import kv_migration
 from psrl.worker.kv_migration import (
     KvMigrationServicer,
     KvPuller,
@@ -233,37 +234,51 @@ async def test_a_prompt_the_destination_holds_needs_no_transfer(source) -> None:
 
 async def test_pooled_segments_serve_the_next_pull() -> None:
     async with _serving(16 << 20) as (target, servicer):
-        await _pull_three_times(target, servicer)
+        assert servicer.shm_pool is not None
+        src = servicer.engines[0]
+        dest = _engine()
+        puller = KvPuller(servicer.counters, "127.0.0.1:1", shm_mappings_bytes=16 << 20)
+        try:
+            for i in range(3):  # another prompt each time: the reused segment holds the previous request's KV
+                rid, prompt = f"r{i}", [t + 7 * i for t in PROMPT]
+                stream = src.generate(rid, prompt, SamplingOptions(temperature=0.0, max_tokens=50, ignore_eos=True))
+                await stream.__anext__()
+                async with grpc.aio.insecure_channel(target) as ch:
+                    await pb_grpc.KvMigrationStub(ch).PinKv(pb.PinKvRequest(request_id=rid, ttl_ms=10_000))
+                await _abort(src, rid, stream)
+                lease = src.engine.lease_kv(rid, prompt, allow_prefix_cache=False)
+                kv = await puller.pull(dest, 0, prompt, KvTransferParams(target, 0, rid, 0, "pin_sync", 5000))
+                assert kv is not None and lease is not None and kv.num_tokens == len(prompt) - 1
+                for pos in range(kv.num_tokens):  # the destination holds exactly the source's KV
+                    s_block, d_block = lease.block_ids[pos // 16], kv.block_ids[pos // 16]
+                    for s_layer, d_layer in zip(src.engine.kv_cache.layers, dest.engine.kv_cache.layers, strict=True):
+                        assert (s_layer[:, s_block, pos % 16] == d_layer[:, d_block, pos % 16]).all()
+                src.engine.release_blocks(lease.block_ids)
+                dest.engine.release_blocks(kv.block_ids)
+                for _ in range(100):  # the acknowledgement that recycles the segment goes out in the background
+                    if servicer.shm_pool.idle_bytes:
+                        break
+                    await asyncio.sleep(0.02)
+            assert (servicer.shm_pool.created, servicer.shm_pool.reused) == (1, 2)
+            assert puller.shm_mappings is not None and puller.shm_mappings.opened == 1
+        finally:
+            await puller.close()
+            dest.shutdown()
 
 
-async def _pull_three_times(target: str, servicer: KvMigrationServicer) -> None:
-    assert servicer.shm_pool is not None
-    src = servicer.engines[0]
-    dest = _engine()
-    puller = KvPuller(servicer.counters, "127.0.0.1:1", shm_mappings_bytes=16 << 20)
-    try:
-        for i in range(3):  # another prompt each time: the reused segment holds the previous request's KV
-            rid, prompt = f"r{i}", [t + 7 * i for t in PROMPT]
-            stream = src.generate(rid, prompt, SamplingOptions(temperature=0.0, max_tokens=50, ignore_eos=True))
-            await stream.__anext__()
-            async with grpc.aio.insecure_channel(target) as ch:
-                await pb_grpc.KvMigrationStub(ch).PinKv(pb.PinKvRequest(request_id=rid, ttl_ms=10_000))
-            await _abort(src, rid, stream)
-            lease = src.engine.lease_kv(rid, prompt, allow_prefix_cache=False)
-            kv = await puller.pull(dest, 0, prompt, KvTransferParams(target, 0, rid, 0, "pin_sync", 5000))
-            assert kv is not None and lease is not None and kv.num_tokens == len(prompt) - 1
-            for pos in range(kv.num_tokens):  # the destination holds exactly the source's KV
-                s_block, d_block = lease.block_ids[pos // 16], kv.block_ids[pos // 16]
-                for s_layer, d_layer in zip(src.engine.kv_cache.layers, dest.engine.kv_cache.layers, strict=True):
-                    assert (s_layer[:, s_block, pos % 16] == d_layer[:, d_block, pos % 16]).all()
-            src.engine.release_blocks(lease.block_ids)
-            dest.engine.release_blocks(kv.block_ids)
-            for _ in range(100):  # the acknowledgement that recycles the segment goes out in the background
-                if servicer.shm_pool.idle_bytes:
-                    break
-                await asyncio.sleep(0.02)
-        assert (servicer.shm_pool.created, servicer.shm_pool.reused) == (1, 2)
-        assert puller.shm_mappings is not None and puller.shm_mappings.opened == 1
-    finally:
-        await puller.close()
-        dest.shutdown()
+async def test_an_unacknowledged_pooled_segment_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kv_migration, "UNACKED_TRANSFER_TTL_S", 0.0)  # every transfer expires at the next call
+    async with _serving(16 << 20) as (target, servicer):
+        assert servicer.shm_pool is not None
+        src = servicer.engines[0]
+        async for _ in src.generate("w", PROMPT, SamplingOptions(temperature=0.0, max_tokens=1)):
+            pass  # PROMPT's 2 full blocks are in the source's prefix cache
+        request = pb.TransferKvRequest(request_id="w", token_ids=PROMPT, allow_prefix_cache=True)
+        async with grpc.aio.insecure_channel(target) as ch:
+            stub = pb_grpc.KvMigrationStub(ch)
+            first = await stub.TransferKv(request)
+            second = await stub.TransferKv(request)  # the first one expired meanwhile: retired, not reused
+            assert first.num_tokens == second.num_tokens == 32
+            assert json.loads(first.transfer_json)["name"] != json.loads(second.transfer_json)["name"]
+            assert (servicer.shm_pool.created, servicer.shm_pool.reused) == (2, 0)
+            assert not (await stub.ReleaseKv(pb.ReleaseKvRequest(transfer_id=first.transfer_id))).released
