@@ -132,6 +132,15 @@ def message_base(*, message_id: str, model: str | None, input_tokens: int, cache
     }
 
 
+def message_usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
+    """A chat completion's usage in the Messages API's terms."""
+    return {
+        "input_tokens": chat_usage.get("prompt_tokens", 0),
+        "output_tokens": chat_usage.get("completion_tokens", 0),
+        "cache_read_input_tokens": (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+    }
+
+
 def message_id_of(chat_id: str) -> str:
     return chat_id.replace("chatcmpl", "msg", 1) or f"msg_{uuid.uuid4().hex}"
 
@@ -153,12 +162,12 @@ def chat_to_message(completion: dict[str, Any]) -> dict[str, Any]:
     """The Messages response for a finished chat completion."""
     choice = (completion.get("choices") or [{}])[0]
     message = choice.get("message") or {}
-    usage = completion.get("usage") or {}
+    usage = message_usage(completion.get("usage") or {})
     base = message_base(
         message_id=message_id_of(completion.get("id", "")),
         model=completion.get("model"),
-        input_tokens=usage.get("prompt_tokens", 0),
-        cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+        input_tokens=usage["input_tokens"],
+        cached_tokens=usage["cache_read_input_tokens"],
     )
     stream = MessageStream(base)  # builds the content blocks as a stream of this message would
     if message.get("reasoning_content"):
@@ -168,7 +177,7 @@ def chat_to_message(completion: dict[str, Any]) -> dict[str, Any]:
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
         stream.tool_use(call.get("id"), function.get("name"), tool_input_of(function.get("arguments")))
-    stream.finish(stop_reason_of(choice.get("finish_reason")), usage.get("completion_tokens", 0))
+    stream.finish(stop_reason_of(choice.get("finish_reason")), usage)
     return stream.message
 
 
@@ -227,12 +236,14 @@ class MessageStream:
         frames.append(self._frame("content_block_stop", index=index))
         return frames
 
-    def finish(self, stop_reason: str, output_tokens: int) -> list[str]:
+    def finish(self, stop_reason: str, usage: dict[str, Any]) -> list[str]:
+        """Close the open block and end with the stop reason and the final usage (see message_usage: a stream
+        starts before the prompt's cached tokens are known, so message_delta carries all of it)."""
         frames = self._close()
         self.message["stop_reason"] = stop_reason
-        self.message["usage"] = {**self.message["usage"], "output_tokens": output_tokens}
+        self.message["usage"] = {**self.message["usage"], **usage}
         stop = {"stop_reason": stop_reason, "stop_sequence": None}
-        frames.append(self._frame("message_delta", delta=stop, usage={"output_tokens": output_tokens}))
+        frames.append(self._frame("message_delta", delta=stop, usage=usage))
         frames.append(self._frame("message_stop"))
         return frames
 
@@ -253,5 +264,5 @@ def message_sse_events(message: dict[str, Any]) -> list[str]:
             frames += stream.thinking(block["thinking"])
         else:
             frames += stream.tool_use(block.get("id"), block.get("name"), block.get("input") or {})
-    frames += stream.finish(message["stop_reason"], message["usage"]["output_tokens"])
+    frames += stream.finish(message["stop_reason"], message["usage"])
     return frames

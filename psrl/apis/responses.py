@@ -310,9 +310,20 @@ class ResponseStream:
         frames.append(self._emit(final, response=self.response))
         return frames
 
+    def logprobs(self, logprobs: list[dict[str, Any]]) -> list[str]:
+        """Log-probs of tokens that added no text (the end-of-turn token), on the message still open; none when
+        the output ended with something else (they belong to a call or to reasoning, which carry none)."""
+        if self._open is None or self._open["type"] != "message":
+            return []
+        return self.text("", logprobs)
+
     def error(self, message: str, code: str | None = None, param: str | None = None) -> list[str]:
-        """The stream's end when the generation failed after the response started."""
-        return [self._emit("error", code=code, message=message, param=param)]
+        """The stream's end when the generation failed after the response started: an `error` event, then
+        `response.failed` (the response's last event, as for any other end)."""
+        frames = [self._emit("error", code=code, message=message, param=param)]
+        self.response.update(status="failed", error={"code": code or "server_error", "message": message})
+        frames.append(self._emit("response.failed", response=self.response))
+        return frames
 
 
 def response_sse_events(response: dict[str, Any]) -> list[str]:

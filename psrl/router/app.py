@@ -40,8 +40,15 @@ from psrl.router.pipeline.context import Generation, GenerationInput
 from psrl.router.pipeline.execute import Delta
 from psrl.router.pipeline.prepare import chat_prompt_ids, new_request_id, text_prompt_ids
 from psrl.router.pipeline.select import resolve_model
-from psrl.router.pipeline.stream import ApiWriter, MessagesWriter, ResponsesWriter, api_stream, sse_stream
-from psrl.router.pipeline.tool_calls import ParsedOutput, PlainStream, ToolCallStream, make_tool_parser
+from psrl.router.pipeline.stream import (
+    ApiWriter,
+    MessagesWriter,
+    ResponsesWriter,
+    StreamStart,
+    api_stream,
+    sse_stream,
+)
+from psrl.router.pipeline.tool_calls import NoToolParser, ParsedOutput, ToolCallParser, make_tool_parser
 from psrl.router.policies import KvEventIndex, SelectionRequest, make_policy
 from psrl.router.psmanager_admission import PSManagerAdmission
 from psrl.router.registry import Worker, WorkerRegistry
@@ -53,6 +60,7 @@ from psrl.router.worker_client import WorkerClients
 from psrl.tokenizer import IncrementalDecoder, Tokenizer
 
 logger = logging.getLogger("psrl.router")
+_NO_TOOL_PARSER = NoToolParser()
 
 _JSON = "application/json"
 
@@ -468,8 +476,11 @@ class RouterApp:
 
     def _parse_output(self, chat: P.ChatRequest, tok: Tokenizer, gen: Generation) -> ParsedOutput:
         out_text = tok.decode(gen.output_ids, skip_special_tokens=chat.sampling.skip_special_tokens)
+        return self._tool_parser(chat).parse(out_text)
+
+    def _tool_parser(self, chat: P.ChatRequest) -> ToolCallParser:
         # Tool calls are parsed out only when the request offered tools, as vLLM does with a parser enabled.
-        return self.tool_parser.parse(out_text) if chat.tools else ParsedOutput(out_text or None)
+        return self.tool_parser if chat.tools else _NO_TOOL_PARSER
 
     async def _tito_chat(
         self, turn: tuple[str, int], chat: P.ChatRequest, model: str, meta: RoutingMeta, rid: str, tok: Tokenizer
@@ -586,11 +597,11 @@ class RouterApp:
         route: str,
         to_chat: Callable[[dict[str, Any]], dict[str, Any]],
         from_chat: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]],
-        writer: Callable[[dict[str, Any], str, int, str, int], ApiWriter],
+        writer: Callable[[StreamStart], ApiWriter],
     ) -> AnyResponse:
         """`/v1/responses` and `/v1/messages`: the body becomes a chat request and runs the chat pipeline (TITO
-        included); the completion is shaped back, or (`stream`) `writer(body, request id, created, model,
-        prompt tokens)` writes the API's events as the generation streams."""
+        included); the completion is shaped back, or (`stream`) `writer` writes the API's events as the
+        generation streams."""
         raw, body, meta, chat, model, rid = await self._chat_front(request, to_chat)
         chat.stream = P.get_bool(body, "stream", False)
         if not self._needs_tokens(model):
@@ -603,43 +614,37 @@ class RouterApp:
             def logprobs(d: Delta) -> list[dict[str, Any]] | None:
                 return A.output_logprobs(R.chat_logprobs(tok, d.token_ids, d.logprobs, d.top_logprobs)) if lps else None
 
+            start = StreamStart(body, rid, int(time.time()), model, len(rollout.state.original.prompt_ids))
             events = api_stream(
                 rollout,
                 IncrementalDecoder(tok, chat.sampling.skip_special_tokens),
-                self._stream_parser(chat),
-                writer(body, rid, int(time.time()), model, len(rollout.state.original.prompt_ids)),
+                self._tool_parser(chat).stream(),
+                writer(start),
                 logprobs,
+                rid,
             )
             return self._stream(route, request, ticket, events)
         ticket, completion = await self._chat_completion(chat, model, meta, rid, turn)
         return _json(from_chat(completion, body), headers=_instance_headers(ticket))
 
     async def responses(self, request: Request) -> AnyResponse:
-        def writer(body: dict[str, Any], rid: str, created: int, model: str, _: int) -> ApiWriter:
-            return ResponsesWriter(
-                A.response_base(body, response_id=A.response_id_of(rid), created=created, model=model)
-            )
-
-        return await self._converted_chat(request, "/v1/responses", A.responses_to_chat, A.chat_to_response, writer)
-
-    async def messages(self, request: Request) -> AnyResponse:
-        def writer(_: dict[str, Any], rid: str, created: int, model: str, prompt_tokens: int) -> ApiWriter:
-            return MessagesWriter(
-                A.message_base(message_id=A.message_id_of(rid), model=model, input_tokens=prompt_tokens)
-            )
-
         return await self._converted_chat(
-            request, "/v1/messages", A.messages_to_chat, lambda completion, _: A.chat_to_message(completion), writer
+            request, "/v1/responses", A.responses_to_chat, A.chat_to_response, ResponsesWriter
         )
 
-    def _stream_parser(self, chat: P.ChatRequest) -> ToolCallStream:
-        # Tool calls are parsed out only when the request offered tools (as in _parse_output).
-        return self.tool_parser.stream() if chat.tools else PlainStream()
+    async def messages(self, request: Request) -> AnyResponse:
+        return await self._converted_chat(
+            request,
+            "/v1/messages",
+            A.messages_to_chat,
+            lambda completion, _: A.chat_to_message(completion),
+            MessagesWriter,
+        )
 
     def _chat_sse(
         self, source: Rollout, tok: Tokenizer, chat: P.ChatRequest, rid: str, created: int, model: str
     ) -> AsyncIterator[bytes]:
-        parser = self._stream_parser(chat)
+        parser = self._tool_parser(chat).stream()
         calls = 0
 
         def choice(text: str, d: Delta | None, finish: str | None) -> list[dict[str, Any]]:

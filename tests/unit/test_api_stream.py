@@ -14,15 +14,15 @@ import httpx2
 import openai
 import pytest
 
-from psrl import apis as A
 from psrl.router.errors import RouterError, WorkerStreamFailed
 from psrl.router.pipeline.context import Generation
 from psrl.router.pipeline.execute import Delta
-from psrl.router.pipeline.stream import ApiWriter, MessagesWriter, ResponsesWriter, api_stream
+from psrl.router.pipeline.stream import ApiWriter, MessagesWriter, ResponsesWriter, StreamStart, api_stream
 from psrl.router.pipeline.tool_calls import HermesToolParser
 from psrl.tokenizer import IncrementalDecoder, Tokenizer, build_tiny_tokenizer
 
 TEXT = 'Let me look.<tool_call>\n{"name": "lookup", "arguments": {"q": "hé"}}\n</tool_call>'
+START = StreamStart({"input": "hi"}, "chatcmpl-1", 1, "tiny", 9)
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +46,13 @@ class _Source:
 
 async def _frames(tok: Tokenizer, writer: ApiWriter, source: _Source) -> list[str]:
     logprobs = [{"token": "t", "logprob": -0.25, "bytes": None, "top_logprobs": []}]
-    events = api_stream(source, IncrementalDecoder(tok, True), HermesToolParser().stream(), writer, lambda d: logprobs)
+    parser = HermesToolParser().stream()
+    events = api_stream(source, IncrementalDecoder(tok, True), parser, writer, lambda d: logprobs, "chatcmpl-1")
     return [frame.decode() async for frame in events]
+
+
+def _payloads(frames: list[str], kind: str) -> list[dict]:
+    return [json.loads(f.split("data: ", 1)[1]) for f in frames if f.startswith(f"event: {kind}\n")]
 
 
 def _transport(frames: list[str], http: type) -> object:
@@ -57,27 +62,31 @@ def _transport(frames: list[str], http: type) -> object:
 
 async def test_responses_stream_text_then_the_call(tok: Tokenizer) -> None:
     ids = tok.encode(TEXT)
-    base = A.response_base({"input": "hi"}, response_id="resp_1", created=1, model="tiny")
-    frames = await _frames(tok, ResponsesWriter(base), _Source(ids))
-    text_deltas = [json.loads(f.split("data: ", 1)[1]) for f in frames if "output_text.delta" in f]
+    frames = await _frames(tok, ResponsesWriter(START), _Source(ids))
+    text_deltas = _payloads(frames, "response.output_text.delta")
     assert len(text_deltas) > 1 and "".join(d["delta"] for d in text_deltas) == "Let me look."
-    # Each text delta carries the log-probs of the tokens decoded since the previous one.
+    # Each text delta carries the log-probs of the tokens since the previous one; the call's tokens carry none.
     assert sum(len(d["logprobs"]) for d in text_deltas) == len(tok.encode("Let me look."))
     client = openai.OpenAI(
         api_key="x", base_url="http://t/v1", http_client=httpx.Client(transport=_transport(frames, httpx))
     )
     with client.responses.stream(model="tiny", input="hi") as stream:
         final = stream.get_final_response()
-    assert final.output_text == "Let me look." and final.status == "completed"
+    assert final.output_text == "Let me look." and final.status == "completed" and final.id == "resp-1"
     assert final.output[1].type == "function_call" and json.loads(final.output[1].arguments) == {"q": "hé"}
     assert final.usage.input_tokens == 9 and final.usage.output_tokens == len(ids)
 
 
+async def test_the_end_of_turn_tokens_log_prob_stays_on_the_text(tok: Tokenizer) -> None:
+    ids = [*tok.encode("Hello there"), tok.eos_token_ids[0]]  # the end-of-turn token decodes to no text
+    frames = await _frames(tok, ResponsesWriter(START), _Source(ids))
+    [done] = _payloads(frames, "response.output_text.done")
+    assert done["text"] == "Hello there" and len(done["logprobs"]) == len(ids)
+
+
 async def test_messages_stream_text_then_the_call(tok: Tokenizer) -> None:
     ids = tok.encode(TEXT)
-    frames = await _frames(
-        tok, MessagesWriter(A.message_base(message_id="msg_1", model="tiny", input_tokens=9)), _Source(ids)
-    )
+    frames = await _frames(tok, MessagesWriter(START), _Source(ids))
     client = anthropic.Anthropic(
         api_key="x", base_url="http://t", http_client=httpx2.Client(transport=_transport(frames, httpx2))
     )
@@ -87,19 +96,20 @@ async def test_messages_stream_text_then_the_call(tok: Tokenizer) -> None:
     assert len(text) > 1 and "".join(text) == "Let me look."
     assert [b.type for b in final.content] == ["text", "tool_use"] and final.content[1].input == {"q": "hé"}
     assert final.stop_reason == "tool_use" and final.usage.output_tokens == len(ids)
+    # The prompt's cached tokens are known only at the end: message_delta carries the final usage.
+    assert final.usage.input_tokens == 9 and final.usage.cache_read_input_tokens == 2
 
 
 async def test_a_failure_mid_stream_ends_with_the_apis_error_event(tok: Tokenizer) -> None:
     ids = tok.encode(TEXT)
     error = WorkerStreamFailed("the replica went away")
-    base = A.response_base({"input": "hi"}, response_id="resp_1", created=1, model="tiny")
-    frames = await _frames(tok, ResponsesWriter(base), _Source(ids, error))
-    last = json.loads(frames[-1].split("data: ", 1)[1])
-    assert last["type"] == "error" and last["code"] == "stream_drain_failed" and "went away" in last["message"]
-    assert not any("response.completed" in f for f in frames)
-    frames = await _frames(
-        tok, MessagesWriter(A.message_base(message_id="m", model="tiny", input_tokens=1)), _Source(ids, error)
-    )
+    frames = await _frames(tok, ResponsesWriter(START), _Source(ids, error))
+    error_event, failed = (json.loads(f.split("data: ", 1)[1]) for f in frames[-2:])
+    assert error_event["type"] == "error" and error_event["code"] == "stream_drain_failed"
+    assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+    assert "went away" in failed["response"]["error"]["message"]
+    assert not _payloads(frames, "response.completed")
+    frames = await _frames(tok, MessagesWriter(START), _Source(ids, error))
     assert json.loads(frames[-1].split("data: ", 1)[1]) == {
         "type": "error",
         "error": {"type": "api_error", "message": "the replica went away"},

@@ -227,6 +227,12 @@ STREAM_TEXTS = [
     '<tool_call>{"name": "a"}</tool_call><tool_call>{"name": "b"}</tool_call>',
     f'{_block("a", {})}\n<tool_call>\n{{"name": "cut',
     "a < b and <tool_ is not a tag </tool_call>",
+    f"A{_block('a', {})}B",
+    f"Let me look.\n\n{_block('a', {})}\n",
+    "A \n<tool_call>bad</tool_call> B\n",
+    f"<think>\nplan\n</think>\n\nHello\n{_block('a', {})}",
+    f"<think>x {_block('a', {})}",
+    f"<think>{_block('a', {})}</think>{_block('b', {})}",
 ]
 
 
@@ -256,24 +262,25 @@ def test_streaming_gives_the_same_message_however_the_text_is_cut(text: str) -> 
         assert _joined(_streamed(text, cuts)) == whole, cuts
     parsed = _parser().parse(text)
     content, reasoning, calls = whole
-    assert calls == parsed.tool_calls
-    if parsed.reasoning_content is None and reasoning:  # a cut-off think block: reasoning while it streamed
-        assert text.lstrip().startswith("<think>") and _words(content) == []
-        assert _words(reasoning) == _words(parsed.content.removeprefix("<think>"))
-    else:
-        assert reasoning.rstrip() == (parsed.reasoning_content or "")  # trailing space is not held back
-        assert _words(content) == _words(parsed.content)  # the same words; whitespace at call seams may differ
+    if parsed.reasoning_content is None and reasoning:  # a think block never closed: reasoning while it streamed
+        assert text.lstrip().startswith("<think>") and "</think>" not in text and content == "" and calls == []
+        assert reasoning == text.strip().removeprefix("<think>").strip()
+    else:  # exactly what the whole text parses to
+        assert reasoning == (parsed.reasoning_content or "") and content == (parsed.content or "")
+        assert calls == parsed.tool_calls
 
 
 def test_streamed_content_comes_out_before_the_generation_ends() -> None:
     stream = _parser().stream()
     assert stream.push("Hello wor") == [StreamPiece("content", "Hello wor")]
-    assert stream.push("ld <tool") == [StreamPiece("content", "ld ")]  # "<tool" may open a call: held back
+    assert stream.push("ld <tool") == [StreamPiece("content", "ld")]  # "<tool" may open a call, " " may end
+    assert stream.push("box") == [StreamPiece("content", " <toolbox")]  # neither: sent with what follows
+    assert stream.push(" <tool") == []
     assert stream.push('_call>{"name": "a"') == []
     [call] = stream.push("}</tool_call>")
     assert call.kind == "tool_call" and call.call is not None and call.call["function"]["name"] == "a"
-    assert stream.push("\n  ") == [] and stream.push("after") == [StreamPiece("content", "after")]
-    assert stream.finish() == []
+    assert stream.push("\n  ") == [] and stream.push("after") == [StreamPiece("content", "\nafter")]
+    assert stream.finish(" \n") == []  # trailing whitespace at the end: dropped, as parse strips it
 
 
 def test_streamed_reasoning_comes_out_as_it_is_generated() -> None:
@@ -281,6 +288,28 @@ def test_streamed_reasoning_comes_out_as_it_is_generated() -> None:
     assert stream.push("<thi") == [] and stream.push("nk>\nstep one") == [StreamPiece("reasoning", "step one")]
     assert stream.push(", two</th") == [StreamPiece("reasoning", ", two")]
     assert stream.push("ink>\n\nAnswer") == [StreamPiece("content", "Answer")]
+
+
+def test_what_a_think_block_holds_is_reasoning_whatever_its_tags() -> None:
+    closed = '<think>maybe <tool_call>{"name": "a"}</tool_call>? no.</think>Done.'
+    stream = _parser().stream()
+    pieces = [p for ch in closed for p in stream.push(ch)] + stream.finish()
+    assert _joined(pieces) == ("Done.", 'maybe <tool_call>{"name": "a"}</tool_call>? no.', [])
+    assert _parser().parse(closed).tool_calls == []
+    # Never closed (cut off, or a model that forgot): still reasoning while it streams, as in vLLM.
+    stream = _parser().stream()
+    pieces = stream.push('<think>plan <tool_call>{"name": "a"}</tool_call>') + stream.finish()
+    assert [p.kind for p in pieces] == ["reasoning"]
+
+
+def test_a_long_call_is_scanned_once() -> None:
+    stream = _parser().stream()
+    stream.push('<tool_call>{"name": "a", "arguments": {"text": "')
+    for _ in range(2000):
+        assert stream.push("x" * 50) == []
+    assert stream._scanned > 100_000  # the end marker is looked for only in what arrived since
+    [piece] = stream.push('"}}</tool_call>')
+    assert piece.call is not None and len(json.loads(piece.call["function"]["arguments"])["text"]) == 100_000
 
 
 def test_plain_stream_passes_text_through() -> None:

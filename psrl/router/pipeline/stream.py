@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from psrl import apis as A
@@ -65,6 +66,17 @@ async def sse_stream(
     yield R.SSE_DONE
 
 
+@dataclass(frozen=True)
+class StreamStart:
+    """What an API's stream opens with."""
+
+    body: dict[str, Any]  # the API's request body
+    request_id: str
+    created: int
+    model: str
+    prompt_tokens: int
+
+
 class ApiWriter(Protocol):
     """One API's events for a streamed chat generation (frames, each a complete SSE event)."""
 
@@ -75,6 +87,10 @@ class ApiWriter(Protocol):
     def reasoning(self, text: str) -> list[str]: ...
 
     def tool_call(self, call: dict[str, Any]) -> list[str]: ...
+
+    def trailing_logprobs(self, logprobs: list[dict[str, Any]]) -> list[str]:
+        """Log-probs of the last tokens, which added no text (e.g. the end-of-turn token)."""
+        ...
 
     def finish(self, finish_reason: str | None, usage: dict[str, Any]) -> list[str]: ...
 
@@ -87,9 +103,11 @@ async def api_stream(
     parser: ToolCallStream,
     writer: ApiWriter,
     logprobs: Callable[[Delta], list[dict[str, Any]] | None],
+    request_id: str,
 ) -> AsyncIterator[bytes]:
-    """`writer`'s events for a started generation; `logprobs` spells a delta's log-probs (None when not asked
-    for), and each content piece carries those of the tokens decoded since the last one."""
+    """`writer`'s events for a started generation. `logprobs` spells a delta's log-probs (None when not asked
+    for): a content piece carries those of the tokens since the last piece, reasoning and calls drop theirs,
+    and those of the last tokens (no text: the end of turn) go to `writer.trailing_logprobs`."""
     pending: list[dict[str, Any]] | None = None
     calls = 0
 
@@ -99,12 +117,12 @@ async def api_stream(
         for p in pieces:
             if p.kind == "content":
                 frames += writer.content(p.text, pending)
-                pending = None
             elif p.kind == "reasoning":
                 frames += writer.reasoning(p.text)
             elif p.call is not None:
                 frames += writer.tool_call(p.call)
                 calls += 1
+            pending = None
         return frames
 
     try:
@@ -118,11 +136,13 @@ async def api_stream(
                 yield frame.encode()
         for frame in frames_of(parser.finish(decoder.flush())):
             yield frame.encode()
+        for frame in writer.trailing_logprobs(pending) if pending else []:
+            yield frame.encode()
         result = source.result
         for frame in writer.finish(R.chat_finish_reason(calls > 0, result.finish_reason), R.usage(result)):
             yield frame.encode()
     except RouterError as e:  # headers are sent: the error travels as the API's error event
-        logger.warning("stream failed: %s", e.message)
+        logger.warning("stream %s failed: %s", request_id, e.message)
         for frame in writer.error(e):
             yield frame.encode()
 
@@ -130,8 +150,11 @@ async def api_stream(
 class ResponsesWriter:
     """`/v1/responses` events (psrl.apis.ResponseStream) as an ApiWriter."""
 
-    def __init__(self, base: dict[str, Any]) -> None:
-        self.stream = A.ResponseStream(base)
+    def __init__(self, start: StreamStart) -> None:
+        response_id = A.response_id_of(start.request_id)
+        self.stream = A.ResponseStream(
+            A.response_base(start.body, response_id=response_id, created=start.created, model=start.model)
+        )
 
     def start(self) -> list[str]:
         return self.stream.start()
@@ -145,6 +168,9 @@ class ResponsesWriter:
     def tool_call(self, call: dict[str, Any]) -> list[str]:
         return self.stream.function_call(call["id"], call["function"]["name"], call["function"]["arguments"])
 
+    def trailing_logprobs(self, logprobs: list[dict[str, Any]]) -> list[str]:
+        return self.stream.logprobs(logprobs)
+
     def finish(self, finish_reason: str | None, usage: dict[str, Any]) -> list[str]:
         return self.stream.finish(A.response_outcome(finish_reason, usage))
 
@@ -155,8 +181,11 @@ class ResponsesWriter:
 class MessagesWriter:
     """`/v1/messages` events (psrl.apis.MessageStream) as an ApiWriter."""
 
-    def __init__(self, base: dict[str, Any]) -> None:
-        self.stream = A.MessageStream(base)
+    def __init__(self, start: StreamStart) -> None:
+        message_id = A.message_id_of(start.request_id)
+        self.stream = A.MessageStream(
+            A.message_base(message_id=message_id, model=start.model, input_tokens=start.prompt_tokens)
+        )
 
     def start(self) -> list[str]:
         return self.stream.start()
@@ -171,8 +200,11 @@ class MessagesWriter:
         function = call["function"]
         return self.stream.tool_use(call["id"], function["name"], A.tool_input_of(function["arguments"]))
 
+    def trailing_logprobs(self, logprobs: list[dict[str, Any]]) -> list[str]:
+        return []  # Messages has no log-probs
+
     def finish(self, finish_reason: str | None, usage: dict[str, Any]) -> list[str]:
-        return self.stream.finish(A.stop_reason_of(finish_reason), usage["completion_tokens"])
+        return self.stream.finish(A.stop_reason_of(finish_reason), A.message_usage(usage))
 
     def error(self, e: RouterError) -> list[str]:
         return self.stream.error(e.message, e.status)

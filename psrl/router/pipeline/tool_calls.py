@@ -143,12 +143,15 @@ def _held_back(text: str, marker: str) -> int:
 
 class StreamingHermesParser:
     """HermesToolParser for a stream: text goes in as it is decoded, pieces come out as soon as they are
-    certain. Content and reasoning stream through, holding back only what could be the start of a marker;
-    a tool call comes out whole when its `</tool_call>` arrives (a malformed or cut-off block comes out as
-    content, verbatim). Whitespace at the start of content and reasoning, and between calls, is dropped.
+    certain. Content and reasoning stream through, holding back only what could be the start of a marker and
+    trailing whitespace (sent once more text follows it, dropped at a marker or the end); a tool call comes
+    out whole when its `</tool_call>` arrives (a malformed or cut-off block comes out as content, verbatim).
+    Content that resumes after a call starts with the "\n" `parse` joins such content with.
 
-    Unlike `parse`, a `<think>` block cut off at max_tokens has already streamed as reasoning (as vLLM's
-    streaming reasoning parsers do); everything else is what `parse` makes of the whole text.
+    So the pieces add up to what `parse` makes of the whole text, except for a `<think>` block that is never
+    closed: all of it streams as reasoning, a `<tool_call>` in it included, as vLLM's streaming reasoning
+    parsers do (`parse` keeps such a block in the content and parses calls in it). Text cannot be taken back
+    once sent, and what a closed think block holds is reasoning whatever tags it contains.
     """
 
     def __init__(self, id_factory: Callable[[], str] = new_tool_call_id) -> None:
@@ -156,22 +159,34 @@ class StreamingHermesParser:
         self._buf = ""
         self._state: Literal["start", "reasoning", "content", "call"] = "start"
         self._strip = True  # drop whitespace before the next content or reasoning text
+        self._ws = ""  # trailing whitespace of the text sent so far, held until more text of its kind follows
+        self._content_sent = False
+        self._after_call = False  # content resuming now follows a call: it starts with "\n"
+        self._scanned = 0  # call state: how much of the buffer is known to hold no end marker
 
     def _text(self, kind: Literal["content", "reasoning"], text: str, out: list[StreamPiece]) -> None:
         if self._strip:
             text = text.lstrip()
-        if text:
-            self._strip = False
-            out.append(StreamPiece(kind, text))
+            self._strip = not text
+        body = text.rstrip()
+        if not body:
+            self._ws += text
+            return
+        lead = self._ws
+        if kind == "content" and self._after_call:
+            lead, self._after_call = "\n", False
+        out.append(StreamPiece(kind, lead + body))
+        self._ws = text[len(body) :]
+        self._content_sent = self._content_sent or kind == "content"
 
-    def _until(self, kind: Literal["content", "reasoning"], marker: str, out: list[StreamPiece]) -> bool:
-        """Stream the buffer as `kind` up to `marker`: True with the marker left at the buffer's start, or False
-        with only what could begin the marker left."""
-        at = self._buf.find(marker)
-        cut = _held_back(self._buf, marker) if at < 0 else at
+    def _until(self, kind: Literal["content", "reasoning"], markers: tuple[str, ...], out: list[StreamPiece]) -> bool:
+        """Stream the buffer as `kind` up to the first of `markers`: True with the marker left at the buffer's
+        start, or False with only what could begin a marker left."""
+        found = [at for at in (self._buf.find(m) for m in markers) if at >= 0]
+        cut = min(found) if found else min(_held_back(self._buf, m) for m in markers)
         self._text(kind, self._buf[:cut], out)
         self._buf = self._buf[cut:]
-        return at >= 0
+        return bool(found)
 
     def push(self, text: str) -> list[StreamPiece]:
         out: list[StreamPiece] = []
@@ -186,16 +201,18 @@ class StreamingHermesParser:
                 else:
                     self._state = "content"
             elif self._state == "reasoning":
-                if not self._until("reasoning", THINK_END, out):
+                if not self._until("reasoning", (THINK_END,), out):
                     break
-                self._buf, self._state, self._strip = self._buf[len(THINK_END) :], "content", True
+                self._buf = self._buf[len(THINK_END) :]
+                self._state, self._ws, self._strip = "content", "", True
             elif self._state == "content":
-                if not self._until("content", TOOL_CALL_START, out):
+                if not self._until("content", (TOOL_CALL_START,), out):
                     break
-                self._state = "call"
+                self._state, self._scanned = "call", 0
             else:
-                end = self._buf.find(TOOL_CALL_END)
+                end = self._buf.find(TOOL_CALL_END, max(0, self._scanned - len(TOOL_CALL_END) + 1))
                 if end < 0:
+                    self._scanned = len(self._buf)
                     break
                 block, self._buf = self._buf[: end + len(TOOL_CALL_END)], self._buf[end + len(TOOL_CALL_END) :]
                 self._state = "content"
@@ -204,7 +221,7 @@ class StreamingHermesParser:
                     self._text("content", block, out)
                 else:
                     out.append(StreamPiece("tool_call", call=call))
-                    self._strip = True
+                    self._ws, self._strip, self._after_call = "", True, self._content_sent
         return out
 
     def finish(self, text: str = "") -> list[StreamPiece]:
