@@ -256,7 +256,10 @@ class ResponseStream:
                 self._emit("response.content_part.done", **ids, content_index=0, part=part),
             ]
         else:
-            frames = [self._emit("response.reasoning_text.done", **ids, content_index=0, text=part["text"])]
+            frames = [
+                self._emit("response.reasoning_text.done", **ids, content_index=0, text=part["text"]),
+                self._emit("response.content_part.done", **ids, content_index=0, part=part),
+            ]
         item["status"] = "completed"
         frames.append(self._emit("response.output_item.done", output_index=ids["output_index"], item=item))
         return frames
@@ -285,7 +288,9 @@ class ResponseStream:
         frames: list[str] = []
         if self._open is None or self._open["type"] != "reasoning":
             item = {"type": "reasoning", "id": item_id or _new_id("rs"), "summary": [], "status": "in_progress"}
-            frames += self._add({**item, "content": [{"type": "reasoning_text", "text": ""}]}, {**item, "content": []})
+            empty = {"type": "reasoning_text", "text": ""}
+            frames += self._add({**item, "content": [dict(empty)]}, {**item, "content": []})
+            frames.append(self._emit("response.content_part.added", **self._ids(), content_index=0, part=empty))
         self.response["output"][-1]["content"][0]["text"] += delta
         frames.append(self._emit("response.reasoning_text.delta", **self._ids(), content_index=0, delta=delta))
         return frames

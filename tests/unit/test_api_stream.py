@@ -114,3 +114,20 @@ async def test_a_failure_mid_stream_ends_with_the_apis_error_event(tok: Tokenize
         "type": "error",
         "error": {"type": "api_error", "message": "the replica went away"},
     }
+
+
+async def test_reasoning_streams_as_a_reasoning_item_before_the_message(tok: Tokenizer) -> None:
+    ids = tok.encode("<think>\nweigh it\n</think>\n\nAnswer.")
+    frames = await _frames(tok, ResponsesWriter(START), _Source(ids))
+    kinds = [f.split("\n", 1)[0].removeprefix("event: ") for f in frames]
+    reasoning = kinds[kinds.index("response.output_item.added") : kinds.index("response.output_item.done") + 1]
+    assert reasoning[:2] == ["response.output_item.added", "response.content_part.added"]
+    assert reasoning[-3:] == ["response.reasoning_text.done", "response.content_part.done", "response.output_item.done"]
+    assert "".join(d["delta"] for d in _payloads(frames, "response.reasoning_text.delta")) == "weigh it"
+    client = openai.OpenAI(
+        api_key="x", base_url="http://t/v1", http_client=httpx.Client(transport=_transport(frames, httpx))
+    )
+    with client.responses.stream(model="tiny", input="hi") as stream:
+        final = stream.get_final_response()
+    assert [o.type for o in final.output] == ["reasoning", "message"] and final.output_text == "Answer."
+    assert final.output[0].content[0].text == "weigh it"
