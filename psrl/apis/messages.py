@@ -133,11 +133,13 @@ def message_base(*, message_id: str, model: str | None, input_tokens: int, cache
 
 
 def message_usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
-    """A chat completion's usage in the Messages API's terms."""
+    """A chat completion's usage in the Messages API's terms: input_tokens leave out the prompt tokens read from
+    the cache (Anthropic's total input is input_tokens + cache_read_input_tokens)."""
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return {
-        "input_tokens": chat_usage.get("prompt_tokens", 0),
+        "input_tokens": chat_usage.get("prompt_tokens", 0) - cached,
         "output_tokens": chat_usage.get("completion_tokens", 0),
-        "cache_read_input_tokens": (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+        "cache_read_input_tokens": cached,
     }
 
 

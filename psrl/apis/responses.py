@@ -326,7 +326,8 @@ class ResponseStream:
         """The stream's end when the generation failed after the response started: an `error` event, then
         `response.failed` (the response's last event, as for any other end)."""
         frames = [self._emit("error", code=code, message=message, param=param)]
-        self.response.update(status="failed", error={"code": code or "server_error", "message": message})
+        # The response's error code is one of the API's own (a closed set); ours is on the error event.
+        self.response.update(status="failed", error={"code": "server_error", "message": message})
         frames.append(self._emit("response.failed", response=self.response))
         return frames
 

@@ -124,7 +124,10 @@ class SessionState:
         if version is not None and version.strip() != "":
             self.version_tag = version
         if isinstance(usage, Mapping):
-            prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+            # Anthropic's input_tokens leave out the cache reads; OpenAI's prompt/input tokens include them.
+            prompt = usage.get(
+                "prompt_tokens", (usage.get("input_tokens") or 0) + usage.get("cache_read_input_tokens", 0)
+            )
             completion = usage.get("completion_tokens", usage.get("output_tokens"))
             self.total_tokens = max(self.total_tokens, int(prompt or 0) + int(completion or 0))
 

@@ -221,7 +221,8 @@ def test_message_object_and_its_stream_through_the_official_client() -> None:
         {"type": "text", "text": "Hi"},
         {"type": "tool_use", "id": "call_1", "name": "lookup", "input": {"q": "he"}},
     ]
-    assert message["usage"] == {"input_tokens": 11, "output_tokens": 5, "cache_read_input_tokens": 4}
+    # Anthropic counts cache reads apart from input_tokens: 11 prompt tokens, 4 of them cached.
+    assert message["usage"] == {"input_tokens": 7, "output_tokens": 5, "cache_read_input_tokens": 4}
     assert chat_to_message(_completion("Hi", [], finish="length"))["stop_reason"] == "max_tokens"
 
     frames = message_sse_events(message)

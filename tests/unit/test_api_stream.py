@@ -84,6 +84,36 @@ async def test_the_end_of_turn_tokens_log_prob_stays_on_the_text(tok: Tokenizer)
     assert done["text"] == "Hello there" and len(done["logprobs"]) == len(ids)
 
 
+@pytest.mark.parametrize("per_delta", [1, 3, 1000])
+async def test_text_log_probs_are_the_text_tokens_however_the_deltas_group_them(tok: Tokenizer, per_delta: int) -> None:
+    """Reasoning and call tokens carry none; each content token's log-prob (whitespace dropped at a seam
+    included) goes with the text, in order, also when a delta holds the end of a call and the next text."""
+    parts = ["<think>\nhm\n</think>\n\n", "Answer.", '<tool_call>{"name": "a"}</tool_call>', "\nBye."]
+    ids_of = [tok.encode(p) for p in parts]
+    ids = [t for p in ids_of for t in p]
+    after_think = ids_of[0][ids_of[0].index(tok.encode("</think>")[0]) + 1 :]  # "\n\n": content, no text
+    text_ids = [*after_think, *ids_of[1], *ids_of[3]]
+
+    class Grouped(_Source):
+        async def deltas(self) -> AsyncIterator[Delta]:
+            for i in range(0, len(self.ids), per_delta):
+                chunk = self.ids[i : i + per_delta]
+                yield Delta(chunk, [-float(t) for t in chunk], None)
+
+    def logprobs(d: Delta) -> list[dict]:
+        return [
+            {"token": str(t), "logprob": lp, "bytes": None, "top_logprobs": []}
+            for t, lp in zip(d.token_ids, d.logprobs)
+        ]
+
+    parser = HermesToolParser().stream()
+    events = api_stream(Grouped(ids), IncrementalDecoder(tok, True), parser, ResponsesWriter(START), logprobs, "r")
+    frames = [f.decode() async for f in events]
+    texts = _payloads(frames, "response.output_text.done")
+    assert [t["text"] for t in texts] == ["Answer.", "\nBye."]
+    assert [int(lp["token"]) for t in texts for lp in t["logprobs"]] == text_ids
+
+
 async def test_messages_stream_text_then_the_call(tok: Tokenizer) -> None:
     ids = tok.encode(TEXT)
     frames = await _frames(tok, MessagesWriter(START), _Source(ids))
@@ -96,8 +126,9 @@ async def test_messages_stream_text_then_the_call(tok: Tokenizer) -> None:
     assert len(text) > 1 and "".join(text) == "Let me look."
     assert [b.type for b in final.content] == ["text", "tool_use"] and final.content[1].input == {"q": "hé"}
     assert final.stop_reason == "tool_use" and final.usage.output_tokens == len(ids)
-    # The prompt's cached tokens are known only at the end: message_delta carries the final usage.
-    assert final.usage.input_tokens == 9 and final.usage.cache_read_input_tokens == 2
+    # The prompt's cached tokens are known only at the end: message_delta carries the final usage (Anthropic
+    # counts cache reads apart: 9 prompt tokens, 2 of them cached).
+    assert final.usage.input_tokens == 7 and final.usage.cache_read_input_tokens == 2
 
 
 async def test_a_failure_mid_stream_ends_with_the_apis_error_event(tok: Tokenizer) -> None:

@@ -106,10 +106,22 @@ async def api_stream(
     request_id: str,
 ) -> AsyncIterator[bytes]:
     """`writer`'s events for a started generation. `logprobs` spells a delta's log-probs (None when not asked
-    for): a content piece carries those of the tokens since the last piece, reasoning and calls drop theirs,
-    and those of the last tokens (no text: the end of turn) go to `writer.trailing_logprobs`."""
+    for). With log-probs the tokens go through the parser one at a time: a token that starts, is in or ends
+    reasoning or a call loses its log-prob (those carry none), the others' go with the next content piece, and
+    those left at the end (tokens with no text: the end of turn) go to `writer.trailing_logprobs`."""
     pending: list[dict[str, Any]] | None = None
     calls = 0
+
+    def token_frames(d: Delta, lps: list[dict[str, Any]]) -> list[str]:
+        nonlocal pending
+        frames: list[str] = []
+        for token_id, lp in zip(d.token_ids, lps, strict=True):
+            was_content = parser.in_content
+            pieces = parser.push(decoder.push([token_id]))
+            if was_content and parser.in_content and not any(p.kind != "content" for p in pieces):
+                pending = [*(pending or []), lp]
+            frames += frames_of(pieces)
+        return frames
 
     def frames_of(pieces: list[StreamPiece]) -> list[str]:
         nonlocal pending, calls
@@ -122,7 +134,8 @@ async def api_stream(
             elif p.call is not None:
                 frames += writer.tool_call(p.call)
                 calls += 1
-            pending = None
+            if p.kind == "content":
+                pending = None
         return frames
 
     try:
@@ -130,9 +143,8 @@ async def api_stream(
             yield frame.encode()
         async for d in source.deltas():
             lps = logprobs(d)
-            if lps is not None:
-                pending = [*(pending or []), *lps]
-            for frame in frames_of(parser.push(decoder.push(d.token_ids))):
+            frames = frames_of(parser.push(decoder.push(d.token_ids))) if lps is None else token_frames(d, lps)
+            for frame in frames:
                 yield frame.encode()
         for frame in frames_of(parser.finish(decoder.flush())):
             yield frame.encode()

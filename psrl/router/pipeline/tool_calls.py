@@ -48,6 +48,11 @@ class ToolCallStream(Protocol):
 
     def finish(self, text: str = "") -> list[StreamPiece]: ...
 
+    @property
+    def in_content(self) -> bool:
+        """Whether the text so far ends in content, not in reasoning or a call."""
+        ...
+
 
 def new_tool_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
@@ -188,6 +193,10 @@ class StreamingHermesParser:
         self._buf = self._buf[cut:]
         return bool(found)
 
+    @property
+    def in_content(self) -> bool:
+        return self._state in ("start", "content")  # "start": no think block has opened (yet)
+
     def push(self, text: str) -> list[StreamPiece]:
         out: list[StreamPiece] = []
         self._buf += text
@@ -251,6 +260,10 @@ class PlainStream:
 
     def finish(self, text: str = "") -> list[StreamPiece]:
         return self.push(text)
+
+    @property
+    def in_content(self) -> bool:
+        return True
 
 
 _PARSERS: dict[str, Callable[[], ToolCallParser]] = {
