@@ -63,6 +63,8 @@ def test_total_tokens_is_the_max_turn_size() -> None:
     s.record_success({}, {"prompt_tokens": 3, "completion_tokens": 1})
     s.record_success({}, {"input_tokens": 20, "output_tokens": 2})  # the Responses / Messages shape
     assert s.total_tokens == 22
+    s.record_success({}, {"input_tokens": 4, "cache_read_input_tokens": 19, "output_tokens": 2})  # Anthropic's
+    assert s.total_tokens == 25  # its cache reads are prompt tokens too
 
 
 def test_control_bodies() -> None:
