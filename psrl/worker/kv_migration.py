@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import secrets
+import socket
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -307,12 +308,46 @@ class KvTransferParams:
         return params
 
 
+_LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
+_WILDCARD = frozenset({"", "0.0.0.0", "::"})
+
+
+def _host_port(target: str) -> tuple[str, int | None]:
+    host, _, port = target.rpartition(":")
+    try:
+        return host.strip("[]").lower(), int(port)
+    except ValueError:
+        return target.lower(), None
+
+
+def same_server(bound: str) -> Callable[[str], bool]:
+    """A test of whether a `host:port` target names the server bound at `bound` (its own `host:port`): the same
+    port, and a host the bound address answers on: itself; any loopback name for a loopback address; for a
+    wildcard address, also this machine's name and addresses. (A specific address answers on nothing else:
+    another process may hold the same port on another address.)"""
+    bound_host, bound_port = _host_port(bound)
+    hosts = {bound_host}
+    if bound_host in _LOOPBACK or bound_host in _WILDCARD:
+        hosts |= _LOOPBACK
+    if bound_host in _WILDCARD:
+        names = {socket.gethostname(), socket.getfqdn()}
+        with contextlib.suppress(OSError):
+            names |= {str(info[4][0]) for info in socket.getaddrinfo(socket.gethostname(), None)}
+        hosts |= _WILDCARD | {n.lower() for n in names}
+
+    def test(target: str) -> bool:
+        host, port = _host_port(target)
+        return port is not None and port == bound_port and host in hosts
+
+    return test
+
+
 class KvPuller:
     """The destination side: fetch a request's KV from its source into reserved blocks of one engine."""
 
     def __init__(self, counters: list[MigrationCounters], self_target: str, *, shm_mappings_bytes: int = 0) -> None:
         self._counters = counters
-        self._self_target = self_target  # this replica's own host:port: a source here needs no transfer
+        self._is_self = same_server(self_target)  # a source on this replica's own server needs no transfer
         # Pooled source segments kept mapped between transfers (0: map each one for its transfer only).
         self.shm_mappings = ShmMappings(shm_mappings_bytes) if shm_mappings_bytes > 0 else None
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -333,7 +368,7 @@ class KvPuller:
         fallback to recompute, counted) when nothing could be moved within the timeout."""
         counters = self._counters[rank]
         start = time.perf_counter()
-        if params.source_target == self._self_target and params.source_dp_rank == rank:
+        if self._is_self(params.source_target) and params.source_dp_rank == rank:
             # Back on the engine that pinned it: take the pinned blocks over, no copy.
             limit = min(params.num_tokens or len(prompt) - 1, len(prompt) - 1)
             kv = engine.engine.adopt_pin(params.request_id, prompt, limit) if limit > 0 else None

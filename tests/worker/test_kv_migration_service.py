@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import threading
 from collections.abc import AsyncIterator
@@ -25,6 +26,7 @@ from psrl.worker.kv_migration import (
     _in_thread,
     layout_of,
     remove_stale_segments,
+    same_server,
 )
 
 PROMPT = list(range(1, 40))
@@ -282,3 +284,33 @@ async def test_an_unacknowledged_pooled_segment_is_not_reused(monkeypatch: pytes
             assert json.loads(first.transfer_json)["name"] != json.loads(second.transfer_json)["name"]
             assert (servicer.shm_pool.created, servicer.shm_pool.reused) == (2, 0)
             assert not (await stub.ReleaseKv(pb.ReleaseKvRequest(transfer_id=first.transfer_id))).released
+
+
+def test_a_replica_knows_its_own_server_under_other_names() -> None:
+    loopback = same_server("127.0.0.1:5000")
+    assert loopback("127.0.0.1:5000") and loopback("localhost:5000") and loopback("[::1]:5000")
+    assert not loopback("127.0.0.1:5001") and not loopback("10.1.2.3:5000") and not loopback("nonsense")
+    wildcard = same_server("0.0.0.0:5000")
+    assert wildcard("localhost:5000") and wildcard(f"{socket.gethostname()}:5000") and not wildcard("10.255.1.2:6000")
+    specific = same_server("10.1.2.3:5000")  # another process may hold port 5000 on another address
+    assert specific("10.1.2.3:5000") and not specific("127.0.0.1:5000")
+
+
+async def test_a_request_back_on_its_replica_under_another_name_adopts_its_pin(source) -> None:
+    target, servicer = source
+    src = servicer.engines[0]
+    stream = src.generate("r", PROMPT, SamplingOptions(temperature=0.0, max_tokens=50, ignore_eos=True))
+    await stream.__anext__()
+    async with grpc.aio.insecure_channel(target) as ch:
+        await pb_grpc.KvMigrationStub(ch).PinKv(pb.PinKvRequest(request_id="r", ttl_ms=10_000))
+    await _abort(src, "r", stream)
+    puller = KvPuller(servicer.counters, target)  # bound at 127.0.0.1; the router knows it as localhost
+    try:
+        alias = target.replace("127.0.0.1", "localhost")
+        kv = await puller.pull(src, 0, PROMPT, KvTransferParams(alias, 0, "r", 0, "sync", 5000))
+        assert kv is not None and kv.num_tokens == len(PROMPT) - 1  # the pinned blocks, taken over
+        assert servicer.counters[0].transfers_in == servicer.counters[0].transfers_out == 0  # nothing copied
+        assert src.engine.num_pinned == 0
+        src.engine.release_blocks(kv.block_ids)
+    finally:
+        await puller.close()
