@@ -46,6 +46,17 @@ async def _abort(engine: AsyncEngine, request_id: str, stream: AsyncIterator[obj
         pass
 
 
+async def _pinned_and_aborted(target: str, engine: AsyncEngine, request_id: str, prompt: list[int]) -> int:
+    """Run a request past its prefill, pin its KV through the service (PinKv), abort it as a sync pause would;
+    returns the tokens pinned."""
+    stream = engine.generate(request_id, prompt, SamplingOptions(temperature=0.0, max_tokens=50, ignore_eos=True))
+    await stream.__anext__()  # prefilled: the prompt's KV is computed
+    async with grpc.aio.insecure_channel(target) as ch:
+        pinned = await pb_grpc.KvMigrationStub(ch).PinKv(pb.PinKvRequest(request_id=request_id, ttl_ms=10_000))
+    await _abort(engine, request_id, stream)
+    return pinned.num_tokens
+
+
 @contextlib.asynccontextmanager
 async def _serving(shm_pool_bytes: int) -> AsyncIterator[tuple[str, KvMigrationServicer]]:
     """A replica's migration service on its own port (a segment per transfer, or `shm_pool_bytes` pooled)."""
@@ -95,12 +106,7 @@ async def test_transfer_refusals_say_why(source) -> None:
 async def test_pull_moves_the_pinned_prefix_and_falls_back_when_the_source_is_gone(source) -> None:
     target, servicer = source
     src = servicer.engines[0]
-    stream = src.generate("r", PROMPT, SamplingOptions(temperature=0.0, max_tokens=50, ignore_eos=True))
-    await stream.__anext__()  # prefilled: the prompt's KV is computed
-    async with grpc.aio.insecure_channel(target) as ch:
-        pinned = await pb_grpc.KvMigrationStub(ch).PinKv(pb.PinKvRequest(request_id="r", ttl_ms=10_000))
-    assert pinned.num_tokens >= len(PROMPT)
-    await _abort(src, "r", stream)
+    assert await _pinned_and_aborted(target, src, "r", PROMPT) >= len(PROMPT)
     dest = _engine()
     puller = KvPuller(servicer.counters, "127.0.0.1:1")
     try:
@@ -152,11 +158,7 @@ async def test_what_the_destination_holds_already_is_not_moved(source) -> None:
     target, servicer = source
     src = servicer.engines[0]
     prompt = list(range(1, 70))  # 69 tokens: 68 to have, 4 full blocks + 4 tokens
-    stream = src.generate("r", prompt, SamplingOptions(temperature=0.0, max_tokens=50, ignore_eos=True))
-    await stream.__anext__()
-    async with grpc.aio.insecure_channel(target) as ch:
-        await pb_grpc.KvMigrationStub(ch).PinKv(pb.PinKvRequest(request_id="r", ttl_ms=10_000))
-    await _abort(src, "r", stream)
+    await _pinned_and_aborted(target, src, "r", prompt)
     dest = _engine()
     warm = dest.generate("w", prompt[:40], SamplingOptions(temperature=0.0, max_tokens=1))
     async for _ in warm:  # the destination's prefix cache now holds the first 2 full blocks (32 tokens)
@@ -200,12 +202,9 @@ async def test_a_cancelled_copy_is_waited_for_and_its_result_discarded() -> None
 async def test_transfer_ranges_the_peer_already_holds_are_refused(source) -> None:
     target, servicer = source
     src = servicer.engines[0]
-    stream = src.generate("r", PROMPT, SamplingOptions(temperature=0.0, max_tokens=50, ignore_eos=True))
-    await stream.__anext__()
+    await _pinned_and_aborted(target, src, "r", PROMPT)
     async with grpc.aio.insecure_channel(target) as ch:
         stub = pb_grpc.KvMigrationStub(ch)
-        await stub.PinKv(pb.PinKvRequest(request_id="r", ttl_ms=10_000))
-        await _abort(src, "r", stream)
         used = src.engine.num_used_blocks
         reply = await stub.TransferKv(pb.TransferKvRequest(request_id="r", token_ids=PROMPT, start_token=5))
         assert reply.num_tokens == 0 and "not block-aligned" in reply.reason
@@ -243,11 +242,7 @@ async def test_pooled_segments_serve_the_next_pull() -> None:
         try:
             for i in range(3):  # another prompt each time: the reused segment holds the previous request's KV
                 rid, prompt = f"r{i}", [t + 7 * i for t in PROMPT]
-                stream = src.generate(rid, prompt, SamplingOptions(temperature=0.0, max_tokens=50, ignore_eos=True))
-                await stream.__anext__()
-                async with grpc.aio.insecure_channel(target) as ch:
-                    await pb_grpc.KvMigrationStub(ch).PinKv(pb.PinKvRequest(request_id=rid, ttl_ms=10_000))
-                await _abort(src, rid, stream)
+                await _pinned_and_aborted(target, src, rid, prompt)
                 lease = src.engine.lease_kv(rid, prompt, allow_prefix_cache=False)
                 kv = await puller.pull(dest, 0, prompt, KvTransferParams(target, 0, rid, 0, "pin_sync", 5000))
                 assert kv is not None and lease is not None and kv.num_tokens == len(prompt) - 1
@@ -299,11 +294,7 @@ def test_a_replica_knows_its_own_server_under_other_names() -> None:
 async def test_a_request_back_on_its_replica_under_another_name_adopts_its_pin(source) -> None:
     target, servicer = source
     src = servicer.engines[0]
-    stream = src.generate("r", PROMPT, SamplingOptions(temperature=0.0, max_tokens=50, ignore_eos=True))
-    await stream.__anext__()
-    async with grpc.aio.insecure_channel(target) as ch:
-        await pb_grpc.KvMigrationStub(ch).PinKv(pb.PinKvRequest(request_id="r", ttl_ms=10_000))
-    await _abort(src, "r", stream)
+    await _pinned_and_aborted(target, src, "r", PROMPT)
     puller = KvPuller(servicer.counters, target)  # bound at 127.0.0.1; the router knows it as localhost
     try:
         alias = target.replace("127.0.0.1", "localhost")
