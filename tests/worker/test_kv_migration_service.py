@@ -10,7 +10,8 @@ import os
 import socket
 import subprocess
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
@@ -44,6 +45,16 @@ async def _abort(engine: AsyncEngine, request_id: str, stream: AsyncIterator[obj
     assert await engine.abort(request_id)
     async for _ in stream:
         pass
+
+
+async def _eventually(condition: Callable[[], bool], timeout_s: float = 20.0) -> bool:
+    """Poll `condition` until it holds (True) or `timeout_s` passes (False); generous for a loaded CI box."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
 
 
 async def _pinned_and_aborted(target: str, engine: AsyncEngine, request_id: str, prompt: list[int]) -> int:
@@ -114,11 +125,8 @@ async def test_pull_moves_the_pinned_prefix_and_falls_back_when_the_source_is_go
         kv = await puller.pull(dest, 0, PROMPT, params)
         assert kv is not None and kv.num_tokens == len(PROMPT) - 1
         assert servicer.counters[0].transfers_in == 1 and servicer.counters[0].transfers_out == 1
-        for _ in range(100):  # the acknowledgement that ends the pin goes out in the background
-            if src.engine.num_pinned == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert src.engine.num_pinned == 0
+        # The acknowledgement that ends the pin goes out in the background.
+        assert await _eventually(lambda: src.engine.num_pinned == 0)
         dest.engine.release_blocks(kv.block_ids)
         gone = KvTransferParams("127.0.0.1:9", 0, "r", num_tokens=0, mode="sync", timeout_ms=300)
         assert await puller.pull(dest, 0, PROMPT, gone) is None
@@ -252,10 +260,8 @@ async def test_pooled_segments_serve_the_next_pull() -> None:
                         assert (s_layer[:, s_block, pos % 16] == d_layer[:, d_block, pos % 16]).all()
                 src.engine.release_blocks(lease.block_ids)
                 dest.engine.release_blocks(kv.block_ids)
-                for _ in range(100):  # the acknowledgement that recycles the segment goes out in the background
-                    if servicer.shm_pool.idle_bytes:
-                        break
-                    await asyncio.sleep(0.02)
+                # The acknowledgement that recycles the segment goes out in the background.
+                assert await _eventually(lambda: servicer.shm_pool is not None and servicer.shm_pool.idle_bytes > 0)
             assert (servicer.shm_pool.created, servicer.shm_pool.reused) == (1, 2)
             assert puller.shm_mappings is not None and puller.shm_mappings.opened == 1
         finally:
