@@ -176,6 +176,8 @@ void bind_shm(py::module_& m) {
       .def_property_readonly("created", [](const PyShmSegment& self) { return self.segment.created(); },
                              "True in the process that created the segment.")
       .def_property_readonly("closed", [](const PyShmSegment& self) { return !self.segment.is_open(); })
+      .def_property_readonly("linked", [](const PyShmSegment& self) { return self.segment.linked(); },
+                             "Whether the segment still has a name (any process may have unlinked it).")
       .def_property_readonly("unlinked", [](const PyShmSegment& self) { return self.segment.unlinked(); },
                              "True once unlink() was called through this object.")
       .def_property_readonly("exports", [](const PyShmSegment& self) { return self.exports; },
@@ -239,16 +241,6 @@ void bind_cuda_ipc(py::module_& m) {
         kv::ipc_close(base, device);
       },
       py::arg("base"), py::arg("device"), "Close a pointer returned by cuda_ipc_open.");
-  m.def(
-      "cuda_memcpy_peer_async",
-      [](uintptr_t dst, int dst_device, uintptr_t src, int src_device, size_t nbytes, uintptr_t stream,
-         int stream_device) {
-        py::gil_scoped_release release;
-        kv::memcpy_peer_async(dst, dst_device, src, src_device, nbytes, stream, stream_device);
-      },
-      py::arg("dst"), py::arg("dst_device"), py::arg("src"), py::arg("src_device"), py::arg("nbytes"),
-      py::arg("stream"), py::arg("stream_device"),
-      "cudaMemcpyPeerAsync on `stream` (of stream_device); no host wait.");
   m.def("cuda_pointer_device", &kv::pointer_device, py::arg("ptr"),
         "Device of a device pointer, -1 for host memory.");
 
@@ -302,7 +294,6 @@ void bind_cuda_ipc(py::module_& m) {
            py::call_guard<py::gil_scoped_release>(), "Enqueue ncclRecv of nbytes bytes on `stream`.")
       .def("group_start", &kv::NcclCommunicator::group_start)
       .def("group_end", &kv::NcclCommunicator::group_end, py::call_guard<py::gil_scoped_release>())
-      .def("async_error", &kv::NcclCommunicator::async_error)
       .def("error_string", &kv::NcclCommunicator::error_string, py::arg("code"))
       .def("destroy", &kv::NcclCommunicator::destroy, py::arg("abort") = false,
            py::call_guard<py::gil_scoped_release>(), "ncclCommDestroy (or ncclCommAbort); idempotent.")

@@ -83,16 +83,6 @@ void NcclCommunicator::group_end() {
   nccl::check(*api_, api_->group_end(), "ncclGroupEnd");
 }
 
-int NcclCommunicator::async_error() {
-  nccl::Comm comm = require_comm();
-  if (api_->comm_get_async_error == nullptr) {
-    return 0;
-  }
-  nccl::Result result = nccl::kSuccess;
-  nccl::check(*api_, api_->comm_get_async_error(comm, &result), "ncclCommGetAsyncError");
-  return result;
-}
-
 std::string NcclCommunicator::error_string(int code) const {
   const char* text = api_->get_error_string(code);
   return text != nullptr ? text : "unknown NCCL error";

@@ -28,7 +28,6 @@ class NcclCommunicator {
   void group_start();
   void group_end();
   // ncclCommGetAsyncError; 0 when fine or not supported by the loaded NCCL.
-  int async_error();
   std::string error_string(int code) const;
   // ncclCommDestroy (abort=false) or ncclCommAbort; idempotent.
   void destroy(bool abort = false);

@@ -42,7 +42,6 @@ std::unique_ptr<Api> try_load(const std::string& path, std::string& errors) {
     resolve(handle, "ncclCommDestroy", api->comm_destroy, true, path);
     resolve(handle, "ncclGetErrorString", api->get_error_string, true, path);
     resolve(handle, "ncclCommAbort", api->comm_abort, false, path);
-    resolve(handle, "ncclCommGetAsyncError", api->comm_get_async_error, false, path);
     Result (*get_version)(int*) = nullptr;
     resolve(handle, "ncclGetVersion", get_version, false, path);
     if (get_version != nullptr && get_version(&api->version) != kSuccess) {

@@ -33,7 +33,6 @@ struct Api {
   Result (*group_end)() = nullptr;
   Result (*comm_destroy)(Comm) = nullptr;
   Result (*comm_abort)(Comm) = nullptr;             // optional
-  Result (*comm_get_async_error)(Comm, Result*) = nullptr;  // optional
   const char* (*get_error_string)(Result) = nullptr;
 };
 

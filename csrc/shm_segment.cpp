@@ -145,6 +145,11 @@ bool ShmSegment::unlink() {
   return removed;
 }
 
+bool ShmSegment::linked() const noexcept {
+  struct stat st {};
+  return fd_ >= 0 && ::fstat(fd_, &st) == 0 && st.st_nlink > 0;
+}
+
 void ShmSegment::close() noexcept {
   if (data_ != nullptr) {
     ::munmap(data_, size_);

@@ -64,6 +64,8 @@ class ShmSegment {
   bool created() const noexcept { return created_; }
   bool is_open() const noexcept { return fd_ >= 0; }
   bool unlinked() const noexcept { return unlinked_; }
+  // Whether the segment still has a name, whoever removed it (fstat's link count; false once closed).
+  bool linked() const noexcept;
 
  private:
   ShmSegment(std::string name, int fd, void* data, size_t size, bool readonly, bool created)

@@ -331,7 +331,19 @@ def gather_blocks(
     many tokens the blocks hold in order: only the first ``num_tokens - (len(block_ids) - 1) * block_size``
     tokens of the last block are copied and the rest of its slot in the buffer is zeroed.
     """
-    layout = describe_kv_cache(layer_caches)
+    return _gather(describe_kv_cache(layer_caches), layer_caches, block_ids, out, num_threads, stream, num_tokens)
+
+
+def _gather(
+    layout: KVCacheLayout,
+    layer_caches: Sequence[ArrayLike],
+    block_ids: BlockIds,
+    out: ArrayLike | None,
+    num_threads: int | None,
+    stream: int | None,
+    num_tokens: int | None,
+) -> ArrayLike:
+    """gather_blocks for a caller that has just described these very caches (psrl.kv.channels.shm_send)."""
     ids = _as_block_ids(block_ids)
     if out is None:
         out = _new_buffer(layer_caches[0], layout.buffer_shape(len(ids)))

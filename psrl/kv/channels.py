@@ -33,7 +33,7 @@ import secrets
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -49,6 +49,7 @@ from psrl.kv.blocks import (
     BlockIds,
     KVCacheLayout,
     KVLayoutMismatchError,
+    _gather,
     describe_kv_cache,
     gather_blocks,
     scatter_blocks,
@@ -85,7 +86,6 @@ NcclUnavailableError: type[RuntimeError] = _kvx.NcclUnavailableError
 CudaEvent: Any = getattr(_kvx, "CudaEvent", None)  # None in a build without CUDA
 
 _SEGMENT_PREFIX = "psrl-kv"
-SHM_DIR = Path("/dev/shm")  # where Linux keeps POSIX shared-memory names
 _BITS_DTYPE = {2: np.int16, 4: np.int32}  # numpy view of a dtype numpy may lack (bf16)
 
 
@@ -203,11 +203,6 @@ def _open_segment(transfer: ShmTransfer) -> Any:
     return segment
 
 
-def _linked(segment: Any) -> bool:
-    """Whether the segment's name still exists (a POSIX shm name is a file under /dev/shm on Linux)."""
-    return (SHM_DIR / segment.name.lstrip("/")).exists()
-
-
 def _unmap(segment: Any) -> None:
     with contextlib.suppress(BufferError):  # a live view: unmapped when the last one goes
         segment.close()
@@ -266,7 +261,7 @@ class ShmPool:
                     if seg.size != size:
                         continue
                     del self._idle[i]
-                    if _linked(seg):
+                    if seg.linked:
                         self.reused += 1
                         return seg
                     stale.append(seg)
@@ -281,12 +276,14 @@ class ShmPool:
         (see the class) or does not fit."""
         evicted = [segment]
         with self._lock:
-            reusable = not self._closed and not segment.closed and segment.exports == 0 and _linked(segment)
+            reusable = not self._closed and not segment.closed and segment.exports == 0 and segment.linked
             if reusable and segment.size <= self.max_idle_bytes:
                 self._idle.append(segment)
                 evicted = []
-                while sum(seg.size for seg in self._idle) > self.max_idle_bytes:
+                idle = sum(seg.size for seg in self._idle)
+                while idle > self.max_idle_bytes:
                     evicted.append(self._idle.pop(0))
+                    idle -= evicted[-1].size
         for seg in evicted:
             _destroy(seg)
 
@@ -348,7 +345,7 @@ class ShmMappings:
             else:
                 evicted.append(segment)
             unused = [name for name, (_, users) in self._maps.items() if users == 0]
-            for name in [n for n in unused if not _linked(self._maps[n][0])]:
+            for name in [n for n in unused if not self._maps[n][0].linked]:
                 evicted.append(self._maps.pop(name)[0])
             total = sum(seg.size for seg, _ in self._maps.values())
             for name in unused:
@@ -420,14 +417,14 @@ class ShmChannel:
             raise KVLayoutMismatchError("shared memory carries host caches; the caches are on a CUDA device")
         if pool is not None and name is not None:
             raise ValueError("a pooled segment is named by its pool: pass name or pool, not both")
-        shape = layout.buffer_shape(num_ids)
-        if pool is not None and pool.fits(math.prod(shape) * DTYPE_ITEMSIZE[layout.dtype]):
-            segment = pool.acquire(math.prod(shape) * DTYPE_ITEMSIZE[layout.dtype])
+        shape, nbytes = layout.buffer_shape(num_ids), layout.transfer_nbytes(num_ids)
+        if pool is not None and pool.fits(nbytes):
+            segment = pool.acquire(nbytes)
             transfer = ShmTransfer(segment.name, shape, layout.dtype, num_tokens, pooled=True)
             return cls(segment, transfer, release=pool.retire, pool=pool)
         transfer = ShmTransfer(
             name=ShmSegment.normalize_name(name or new_segment_name()),
-            shape=layout.buffer_shape(num_ids),
+            shape=shape,
             dtype=layout.dtype,
             num_tokens=num_tokens,
         )
@@ -567,8 +564,8 @@ def shm_send(
     layout = describe_kv_cache(layer_caches)
     ids = np.asarray(block_ids)
     channel = ShmChannel.create(layout, len(ids), num_tokens=num_tokens, name=name, pool=pool)
-    try:
-        channel.gather(layer_caches, ids, num_threads=num_threads)
+    try:  # the caches were just described: gather without describing them again
+        _gather(layout, layer_caches, ids, channel.buffer(layer_caches[0]), num_threads, None, num_tokens)
     except BaseException:
         channel.__exit__(None, None, None)
         raise
@@ -614,10 +611,6 @@ class DeviceArray:
     @property
     def device(self) -> _Device:
         return _Device(self.device_index)
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.element_size()
 
     def data_ptr(self) -> int:
         return self.ptr
@@ -715,14 +708,6 @@ class CudaIpcExport:
         )
         self.record(stream)
 
-    @property
-    def tensor(self) -> Any:
-        return self._tensor
-
-    @property
-    def event(self) -> Any:
-        return self._event
-
     def record(self, stream: int | None = None) -> None:
         """Record the interprocess event on ``stream`` (default: torch's current stream)."""
         self._event.record(_torch_stream(self.descriptor.device, stream))
@@ -813,8 +798,8 @@ class CudaIpcBuffer:
         dst_device = int(tensor.device.index if tensor.device.index is not None else 0)
         cuda_stream = _torch_stream(dst_device, stream)
         self.wait(cuda_stream)
-        return _kvx.cuda_peer_copy_async(
-            int(tensor.data_ptr()), dst_device, self.ptr, self.device, nbytes, cuda_stream, dst_device
+        return cuda_peer_copy_async(
+            int(tensor.data_ptr()), dst_device, self.ptr, self.device, nbytes, stream=cuda_stream
         )
 
     def close(self) -> None:
@@ -919,15 +904,6 @@ class NcclChannel:
     def recv_tensor(self, tensor: Any, peer: int, stream: int | None = None) -> None:
         self.recv(int(tensor.data_ptr()), _contiguous_cuda_nbytes(tensor), peer, stream)
 
-    @contextlib.contextmanager
-    def group(self) -> Iterator[None]:
-        """ncclGroupStart/End around several sends and receives (e.g. both directions at once)."""
-        self._comm.group_start()
-        try:
-            yield
-        finally:
-            self._comm.group_end()
-
     def send_blocks(
         self,
         layer_caches: Sequence[ArrayLike],
@@ -962,10 +938,6 @@ class NcclChannel:
         self.recv_tensor(buffer, peer, cuda_stream)
         scatter_blocks(buffer, layer_caches, ids, stream=cuda_stream, num_tokens=num_tokens)
         return buffer
-
-    def async_error(self) -> int:
-        """ncclCommGetAsyncError (0: none)."""
-        return int(self._comm.async_error())
 
     def close(self, *, abort: bool = False) -> None:
         self._comm.destroy(abort)

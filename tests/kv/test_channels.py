@@ -5,6 +5,7 @@ them. GPU tests are in test_channels_cuda.py."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import multiprocessing
 import os
 import re
@@ -98,10 +99,6 @@ def scatter_ref(
     return expected
 
 
-def bits_of(typed: Any, dtype_name: str) -> np.ndarray:
-    return to_bits(typed, dtype_name)
-
-
 # --- child-process side (spawned worker) --------------------------------------------------------------
 
 _LIVE: dict[str, ShmChannel] = {}  # source channels a worker keeps open until the parent releases them
@@ -127,7 +124,7 @@ def child_release(name: str) -> dict[str, Any]:
 def child_receive(seed: int, spec: dict[str, Any], transfer: dict[str, Any], ids: list[int]) -> list[np.ndarray]:
     _, caches = make_caches(seed, spec["layers"], spec["blocks"], spec["shape"], spec["dtype"], spec["layout"])
     shm_receive(ShmTransfer.from_dict(transfer), caches, ids)
-    return [bits_of(c, spec["dtype"]).copy() for c in caches]
+    return [to_bits(c, spec["dtype"]).copy() for c in caches]
 
 
 _POOL: list[ShmPool] = []  # a worker's source pool, kept across calls
@@ -213,7 +210,7 @@ def test_shm_source_in_child_destination_here(
 
     assert not (DEV_SHM / transfer.name.lstrip("/")).exists()  # the destination unlinked it on open
     for cache, after in zip(dst_caches, expected, strict=True):
-        np.testing.assert_array_equal(bits_of(cache, dtype_name), after)
+        np.testing.assert_array_equal(to_bits(cache, dtype_name), after)
     released = worker.submit(child_release, transfer.name).result()
     assert released == {"existed_before_close": False, "exists_after": False}
 
@@ -280,7 +277,7 @@ def test_pooled_segments_serve_later_transfers_across_processes(worker: ProcessP
                 num_tokens,
             )
             for cache, after in zip(dst, expected, strict=True):
-                np.testing.assert_array_equal(bits_of(cache, "float16"), after)
+                np.testing.assert_array_equal(to_bits(cache, "float16"), after)
             assert (DEV_SHM / transfer.name.lstrip("/")).exists()  # pooled: the destination leaves the name
             names.append(transfer.name)
             stats = worker.submit(child_recycle, transfer.name).result()
@@ -455,9 +452,36 @@ def test_channel_round_trip_in_process(dtype_name: str) -> None:
             destination.scatter(dst, [1, 2, 3])
     expected = scatter_ref(gather_ref(src_bits, np.array([9, 0, 4]), 10), dst_bits, np.array([1, 2, 3]), 10)
     for cache, after in zip(dst, expected, strict=True):
-        np.testing.assert_array_equal(bits_of(cache, dtype_name), after)
+        np.testing.assert_array_equal(to_bits(cache, dtype_name), after)
     assert source.closed and destination.closed
     assert not (DEV_SHM / source.name.lstrip("/")).exists()
+
+
+def test_shm_channel_misuse_is_a_clear_error() -> None:
+    _, caches = make_caches(45, 1, 8, (4, 2, 8), "float16", "NHD")
+    layout = kv.describe_kv_cache(caches)
+    with pytest.raises(kv.KVLayoutMismatchError, match="host caches"):
+        ShmChannel.create(dataclasses.replace(layout, cuda_device=0), 1)
+    with shm_send(caches, [1]) as channel:
+        pass
+    with pytest.raises(ValueError, match="closed"):
+        channel.buffer()
+    with pytest.raises(ValueError, match="max_idle_bytes"):
+        ShmPool(-1)
+    with pytest.raises(ValueError, match="min_segment_bytes"):
+        ShmPool(1024, min_segment_bytes=0)
+    pool, mappings = ShmPool(1 << 20, min_segment_bytes=1024), ShmMappings(1 << 20)
+    try:
+        pooled = shm_send(caches, [1], pool=pool)
+        with ShmChannel.open(pooled.transfer, mappings=mappings):
+            pass
+        too_big = dataclasses.replace(pooled.transfer, shape=(1, 2, 8, 4, 2, 8))  # 2048 bytes, segment 1024
+        with pytest.raises(channels.ShmSizeMismatchError, match="2048"):
+            ShmChannel.open(too_big, mappings=mappings)  # the mapped name is known: checked against it
+        pooled.recycle()
+    finally:
+        mappings.close()
+        pool.close()
 
 
 def test_transfer_descriptor() -> None:
@@ -555,7 +579,7 @@ def test_strided_and_partial_gather_scatter(layout: str, dtype_name: str, num_th
     ids = rng.choice(24, size=10, replace=False)
     for num_tokens in (None, 9 * block_size + 1, 9 * block_size + 5, 10 * block_size):
         out = kv.gather_blocks(caches, ids, num_tokens=num_tokens, num_threads=num_threads)
-        np.testing.assert_array_equal(bits_of(out, dtype_name), gather_ref(bits, ids, num_tokens))
+        np.testing.assert_array_equal(to_bits(out, dtype_name), gather_ref(bits, ids, num_tokens))
 
         targets = rng.choice(24, size=10, replace=False)
         buffer_bits = random_bits(rng, (3, 2, 10, block_size, heads, head_size), dtype_name)
@@ -568,7 +592,7 @@ def test_strided_and_partial_gather_scatter(layout: str, dtype_name: str, num_th
             num_threads=num_threads,
         )
         for cache, after in zip(caches, expected, strict=True):
-            np.testing.assert_array_equal(bits_of(cache, dtype_name), after)
+            np.testing.assert_array_equal(to_bits(cache, dtype_name), after)
 
 
 def test_large_hnd_copy_uses_threads_correctly() -> None:
@@ -576,7 +600,7 @@ def test_large_hnd_copy_uses_threads_correctly() -> None:
     ids = np.random.default_rng(0).integers(0, 64, size=64)
     for threads in (1, 4):
         out = kv.gather_blocks(caches, ids, num_threads=threads, num_tokens=63 * 16 + 3)
-        np.testing.assert_array_equal(bits_of(out, "float16"), gather_ref(bits, ids, 63 * 16 + 3))
+        np.testing.assert_array_equal(to_bits(out, "float16"), gather_ref(bits, ids, 63 * 16 + 3))
 
 
 def test_num_tokens_validation() -> None:
@@ -662,7 +686,10 @@ def test_nccl_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PSRL_NCCL_LIBRARY", "/opt/nccl/libnccl.so.2")
     found = channels.nccl_library_candidates("/explicit/libnccl.so.2")
     assert found[:2] == ["/explicit/libnccl.so.2", "/opt/nccl/libnccl.so.2"]
-    assert all(p.endswith("libnccl.so.2") for p in found)
+    wheel = [p for p in found[2:] if not Path(p).exists()]
+    assert wheel == []  # a wheel's library is offered only when it is really there
+    monkeypatch.delenv("PSRL_NCCL_LIBRARY")
+    assert channels.nccl_library_candidates() == found[2:]
 
 
 @pytest.mark.skipif(kv.HAS_CUDA, reason="only meaningful in a build without CUDA")

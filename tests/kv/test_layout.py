@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from psrl.kv.blocks import KVCacheLayout, describe_kv_cache
+from psrl.kv.blocks import describe_kv_cache
 from psrl.kv.layout import (
     ENGINE_BLOCK_LAYOUTS,
     KVLayoutSpec,
@@ -162,7 +162,6 @@ def test_describe_numpy_caches_nhd_and_hnd() -> None:
     assert raw.buffer_shape(7) == described.buffer_shape(7)
 
 
-@pytest.mark.skipif(not hasattr(KVCacheLayout, "kv_layout"), reason="blocks.py reads no in-block order yet")
 def test_describe_hnd_cache_through_its_logical_view() -> None:
     expected = KVLayoutSpec(3, 16, 4, 64, "float32", "HND")
     hnd = [np.zeros(expected.layer_shape(10), dtype=np.float32) for _ in range(3)]
@@ -171,7 +170,6 @@ def test_describe_hnd_cache_through_its_logical_view() -> None:
     assert KVLayoutSpec.describe(logical) == expected
 
 
-@pytest.mark.skipif(not hasattr(KVCacheLayout, "kv_layout"), reason="blocks.py reads no in-block order yet")
 def test_describe_rejects_other_strides() -> None:
     padded = np.zeros((2, 10, 16, 4, 128), dtype=np.float16)
     strided = [padded[..., :64]]  # each head padded to 128 elements: neither NHD nor HND
