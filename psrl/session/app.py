@@ -94,10 +94,11 @@ def _json_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _usage_of(upstream: httpx.Response) -> Any:
+def _json_of(upstream: httpx.Response) -> Any:
+    """The answer's JSON body, or None when it is not JSON."""
     try:
-        return upstream.json().get("usage")
-    except (ValueError, AttributeError):
+        return upstream.json()
+    except ValueError:
         return None
 
 
@@ -201,10 +202,10 @@ class SessionRouter:
             body["logprobs"] = True
             body["top_logprobs"] = 1
         content = json.dumps(body).encode()
-        upstream = await self._turn(state, request, f"/{path}", content, {"content-type": "application/json"})
-        if not upstream.is_success or not wants_stream:
+        upstream, result = await self._turn(state, request, f"/{path}", content, {"content-type": "application/json"})
+        if not upstream.is_success or not wants_stream or not isinstance(result, dict):
             return _upstream_response(upstream)
-        events = TURN_APIS[path](upstream.json())
+        events = TURN_APIS[path](result)
 
         async def stream() -> AsyncIterator[str]:
             for event in events:
@@ -218,7 +219,8 @@ class SessionRouter:
         state = self.state(sid)
         raw = await request.body()
         if request.method == "POST":
-            return _upstream_response(await self._turn(state, request, f"/{path}", raw, params=request.query_params))
+            upstream, _ = await self._turn(state, request, f"/{path}", raw, params=request.query_params)
+            return _upstream_response(upstream)
         headers, _ = state.turn_headers(request.headers, self.strategy)
         upstream = await self.upstream(
             request.method, f"/{path}", content=raw, headers=headers, params=request.query_params
@@ -233,9 +235,11 @@ class SessionRouter:
         content: bytes,
         extra_headers: dict[str, str] | None = None,
         params: Any = None,
-    ) -> httpx.Response:
+    ) -> tuple[httpx.Response, Any]:
         """POST one turn upstream, after the trajectory's previous turn has answered; a success pins the session
-        to the instance and version that served it and advances the trajectory."""
+        to the instance and version that served it and advances the trajectory. Returns the answer and, for a
+        success, its JSON body (parsed once here; None when not JSON)."""
+        result = None
         async with state.turn_lock(request.headers, self.strategy):
             await self._admit(state)
             headers, trajectory = state.turn_headers(request.headers, self.strategy)
@@ -244,11 +248,13 @@ class SessionRouter:
             try:
                 upstream = await self.upstream("POST", path, content=content, headers=headers, params=params)
                 if upstream.is_success:
-                    state.record_success(upstream.headers, _usage_of(upstream))
+                    result = _json_of(upstream)
+                    usage = result.get("usage") if isinstance(result, dict) else None
+                    state.record_success(upstream.headers, usage)
                     state.advance_trajectory(trajectory)
             finally:
                 state.end_turn()
-        return upstream
+        return upstream, result
 
     # ---- control --------------------------------------------------------------------------------------
 
