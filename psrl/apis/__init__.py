@@ -23,7 +23,6 @@ from psrl.apis.messages import (
 from psrl.apis.responses import (
     ResponseStream,
     chat_to_response,
-    output_logprobs,
     response_base,
     response_id_of,
     response_outcome,
@@ -43,7 +42,6 @@ __all__ = [
     "message_sse_events",
     "message_usage",
     "messages_to_chat",
-    "output_logprobs",
     "response_base",
     "response_id_of",
     "response_outcome",

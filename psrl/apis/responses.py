@@ -119,25 +119,6 @@ def responses_to_chat(body: dict[str, Any]) -> dict[str, Any]:
     return chat
 
 
-def output_logprobs(chat_logprobs: dict[str, Any] | None) -> list[dict[str, Any]] | None:
-    """A chat choice's `logprobs` as an output_text part's `logprobs`."""
-    content = (chat_logprobs or {}).get("content")
-    if content is None:
-        return None
-    return [
-        {
-            "token": e["token"],
-            "logprob": e["logprob"],
-            "bytes": e.get("bytes"),
-            "top_logprobs": [
-                {"token": t["token"], "logprob": t["logprob"], "bytes": t.get("bytes")}
-                for t in e.get("top_logprobs") or []
-            ],
-        }
-        for e in content
-    ]
-
-
 def response_base(request: dict[str, Any], *, response_id: str, created: int, model: str | None) -> dict[str, Any]:
     """A response to `request` (the Responses body) as it starts: in progress, no output, no usage yet."""
     return {
@@ -200,7 +181,7 @@ def chat_to_response(completion: dict[str, Any], request: dict[str, Any]) -> dic
     if message.get("reasoning_content"):
         stream.reasoning(message["reasoning_content"])
     if message.get("content"):
-        stream.text(message["content"], output_logprobs(choice.get("logprobs")))
+        stream.text(message["content"], (choice.get("logprobs") or {}).get("content"))  # the same entries
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
         stream.function_call(call.get("id"), function.get("name"), function.get("arguments", "{}"))

@@ -612,7 +612,8 @@ class RouterApp:
             lps = chat.logprobs
 
             def logprobs(d: Delta) -> list[dict[str, Any]] | None:
-                return A.output_logprobs(R.chat_logprobs(tok, d.token_ids, d.logprobs, d.top_logprobs)) if lps else None
+                chat_lps = R.chat_logprobs(tok, d.token_ids, d.logprobs, d.top_logprobs) if lps else None
+                return None if chat_lps is None else chat_lps["content"]  # the Responses entries have this shape
 
             start = StreamStart(body, rid, int(time.time()), model, len(rollout.state.original.prompt_ids))
             events = api_stream(

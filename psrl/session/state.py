@@ -50,7 +50,10 @@ TrajectoryStrategy = Literal["manual", "auto"]
 def trajectory_key(raw: str | None) -> str:
     """One name per trajectory: the router reads the header as an integer, so "01" and "1" are the same."""
     key = (raw or "0").strip()
-    return str(int(key)) if key.isdigit() else key
+    try:
+        return str(int(key))  # the router's own parse (TitoBridge.turn_of): "+1", " 1" and "01" are trajectory 1
+    except ValueError:
+        return key
 
 
 def session_headers_from(request_headers: Mapping[str, str]) -> dict[str, str]:

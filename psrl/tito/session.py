@@ -168,9 +168,6 @@ class _Session:
         out.reverse()
         return out
 
-    def path_ids(self, node_id: int | None) -> list[int]:
-        return _ids_of(self.path(node_id))
-
 
 # --- the store ---------------------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ import pytest
 
 from psrl.router.dispatch import Dispatcher, KvTransferConfig
 from psrl.router.pipeline.context import GenerationInput, SamplingSpec
+from psrl.router.pipeline.execute import _moved_tokens
 from psrl.router.registry import InstanceId, WorkerRegistry
 
 GEN = GenerationInput("req-r1", [5, 6, 7, 8], SamplingSpec())
@@ -56,3 +57,18 @@ def test_params_name_the_source_and_the_tokens_to_move() -> None:
 def test_bad_kv_transfer_config(config: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         KvTransferConfig(**config).validate()
+
+
+@pytest.mark.parametrize(
+    ("report", "moved"),
+    [
+        ('{"moved_tokens": 7}', 7),
+        ("x", 0),
+        ("[]", 0),
+        ('{"moved_tokens": null}', 0),
+        ('{"moved_tokens": "a"}', 0),
+        ("", 0),
+    ],
+)
+def test_an_unreadable_moved_tokens_report_counts_as_recomputed(report: str, moved: int) -> None:
+    assert _moved_tokens(report) == moved

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from psrl.apis import chat_sse_events
-from psrl.session.state import SessionState, session_headers_from, session_ids_of
+from psrl.session.state import SessionState, session_headers_from, session_ids_of, trajectory_key
 
 
 def test_whitelist_keeps_routing_headers_and_drops_a_spoofed_session_id() -> None:
@@ -105,3 +105,9 @@ def test_sse_from_a_buffered_result() -> None:
     assert deltas[1] == {"reasoning_content": "think"} and deltas[2] == {"content": "hi"}
     assert deltas[3]["tool_calls"][0]["index"] == 0 and deltas[3]["tool_calls"][0]["function"]["name"] == "f"
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls" and chunks[-1]["usage"]["total_tokens"] == 3
+
+
+def test_trajectory_keys_parse_as_the_router_does() -> None:
+    assert trajectory_key("01") == trajectory_key("+1") == trajectory_key(" 1 ") == "1"
+    assert trajectory_key(None) == "0"
+    assert trajectory_key("²") == "²" and trajectory_key("main") == "main"  # not a number: the name itself

@@ -109,17 +109,17 @@ async def api_stream(
     for). With log-probs the tokens go through the parser one at a time: a token that starts, is in or ends
     reasoning or a call loses its log-prob (those carry none), the others' go with the next content piece, and
     those left at the end (tokens with no text: the end of turn) go to `writer.trailing_logprobs`."""
-    pending: list[dict[str, Any]] | None = None
+    pending: list[dict[str, Any]] = []  # log-probs of content tokens not yet sent with a piece
+    asked = False  # whether log-probs were asked for (the source's deltas carry them)
     calls = 0
 
     def token_frames(d: Delta, lps: list[dict[str, Any]]) -> list[str]:
-        nonlocal pending
         frames: list[str] = []
         for token_id, lp in zip(d.token_ids, lps, strict=True):
             was_content = parser.in_content
             pieces = parser.push(decoder.push([token_id]))
             if was_content and parser.in_content and not any(p.kind != "content" for p in pieces):
-                pending = [*(pending or []), lp]
+                pending.append(lp)
             frames += frames_of(pieces)
         return frames
 
@@ -128,14 +128,13 @@ async def api_stream(
         frames: list[str] = []
         for p in pieces:
             if p.kind == "content":
-                frames += writer.content(p.text, pending)
+                frames += writer.content(p.text, pending if asked else None)
+                pending = []
             elif p.kind == "reasoning":
                 frames += writer.reasoning(p.text)
             elif p.call is not None:
                 frames += writer.tool_call(p.call)
                 calls += 1
-            if p.kind == "content":
-                pending = None
         return frames
 
     try:
@@ -143,6 +142,7 @@ async def api_stream(
             yield frame.encode()
         async for d in source.deltas():
             lps = logprobs(d)
+            asked = asked or lps is not None
             frames = frames_of(parser.push(decoder.push(d.token_ids))) if lps is None else token_frames(d, lps)
             for frame in frames:
                 yield frame.encode()
