@@ -285,7 +285,7 @@ class AsyncEngine:
         if mode is PauseMode.WAIT:
             self.engine.unfreeze()
             self._notify()
-            await self._wait_idle()  # admission is closed: idle now means every request finished
+            await self._wait_idle(drained=True)  # admission is closed: every request finishes, held ones too
             self.engine.freeze()
         else:
             self.engine.freeze()
@@ -316,14 +316,16 @@ class AsyncEngine:
     def admission_closed_reason(self) -> str | None:
         return self.engine.admission_closed_reason
 
-    async def _wait_idle(self) -> None:
-        """Until the step thread waits with nothing it may run: no step in flight, every output dispatched."""
+    async def _wait_idle(self, *, drained: bool = False) -> None:
+        """Until the step thread waits with nothing it may run: no step in flight, every output dispatched;
+        `drained`: and no request left, not even one held for its migrated KV (it runs once that lands)."""
         loop = asyncio.get_running_loop()
         while True:
             with self._wake:
                 if self._shutdown or not self._thread.is_alive():
                     raise EngineDeadError("the engine is shut down")
-                if self._idle and not self.engine.has_unfinished_requests():
+                idle = self._idle and not self.engine.has_unfinished_requests()
+                if idle and not (drained and self.engine.num_waiting):
                     return
                 waiter = (loop, loop.create_future())
                 self._idle_waiters.append(waiter)

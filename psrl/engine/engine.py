@@ -415,31 +415,27 @@ class Engine:
         with self._lock:
             self._expire_pins_locked()
             pin = self._pins.get(request_id)
-            if pin is not None:
-                n = _common_prefix(pin.token_ids, token_ids)
-                ids = list(pin.block_ids[: blocks_for_tokens(n, block_size)])
-                source = "pin"
-            elif allow_prefix_cache:
-                ids = self._pool.cached_prefix_of(token_ids)
-                n = len(ids) * block_size
-                source = "prefix_cache"
-            else:
-                return None
+            if pin is None:
+                return self._lease_cached_prefix_locked(token_ids) if allow_prefix_cache else None
+            n = _common_prefix(pin.token_ids, token_ids)
             if n == 0:
                 return None
+            ids = pin.block_ids[: blocks_for_tokens(n, block_size)]
             self._pool.touch(ids)
-            return KvLease(n, tuple(ids), source)
+            return KvLease(n, tuple(ids), "pin")
 
     def lease_cached_prefix(self, token_ids: Sequence[int]) -> KvLease | None:
         """The full blocks of `token_ids` this engine's prefix cache holds, with a reference each (released by
         `release_blocks`, or handed to a request in a PreloadedKV): the part of a migration not to move."""
         with self._lock:
-            ids = self._pool.cached_prefix_of(token_ids)
-            if not ids:
-                return None
-            self._pool.touch(ids)
-            n = len(ids) * self.cache_config.block_size
-            return KvLease(n, tuple(ids), "prefix_cache")
+            return self._lease_cached_prefix_locked(token_ids)
+
+    def _lease_cached_prefix_locked(self, token_ids: Sequence[int]) -> KvLease | None:
+        ids = self._pool.cached_prefix_of(token_ids)
+        if not ids:
+            return None
+        self._pool.touch(ids)
+        return KvLease(len(ids) * self.cache_config.block_size, tuple(ids), "prefix_cache")
 
     def adopt_pin(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> PreloadedKV | None:
         """A request looped back to this engine takes over the pinned KV of its previous iteration without a
@@ -586,9 +582,9 @@ class Engine:
                     logits = model.forward_paged(batch, self.kv_cache.layers)
                     sampled = self._sampler.sample(logits, options, generators) if options else None
             except Exception as exc:
+                raise EngineStepError(self._fail_chunks(chunks), exc) from exc  # its frees wait for the forward
+            finally:
                 self._end_forward()
-                raise EngineStepError(self._fail_chunks(chunks), exc) from exc
-            self._end_forward()
             with self._lock:
                 return self._take_pending_outputs() + self._update(chunks, sampled)
 

@@ -342,6 +342,13 @@ def same_server(bound: str) -> Callable[[str], bool]:
     return test
 
 
+def _wanted_tokens(prompt: Sequence[int], params: KvTransferParams) -> int:
+    """How much of the prompt's KV to take: what the params name (all when 0), never the last prompt token
+    (it is always computed here: its logits are needed)."""
+    limit = len(prompt) - 1
+    return min(params.num_tokens, limit) if params.num_tokens else limit
+
+
 class KvPuller:
     """The destination side: fetch a request's KV from its source into reserved blocks of one engine."""
 
@@ -370,8 +377,8 @@ class KvPuller:
         start = time.perf_counter()
         if self._is_self(params.source_target) and params.source_dp_rank == rank:
             # Back on the engine that pinned it: take the pinned blocks over, no copy.
-            limit = min(params.num_tokens or len(prompt) - 1, len(prompt) - 1)
-            kv = engine.engine.adopt_pin(params.request_id, prompt, limit) if limit > 0 else None
+            want = _wanted_tokens(prompt, params)
+            kv = engine.engine.adopt_pin(params.request_id, prompt, want) if want > 0 else None
             if kv is None:
                 counters.fallbacks += 1
             return kv
@@ -401,8 +408,7 @@ class KvPuller:
         self, engine: AsyncEngine, prompt: Sequence[int], params: KvTransferParams
     ) -> tuple[PreloadedKV, int, int] | None:
         """(the request's KV, tokens moved in, bytes moved) or None when the source has nothing for it."""
-        limit = len(prompt) - 1  # the last prompt token is always computed here (its logits are needed)
-        want = min(params.num_tokens, limit) if params.num_tokens else limit
+        want = _wanted_tokens(prompt, params)
         if want <= 0:
             return None
         # What this engine's prefix cache already holds of the prompt (e.g. the prompt a group of samples

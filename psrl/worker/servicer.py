@@ -260,7 +260,11 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     ) -> None:
         """`async` mode: the request waits in the engine (counted as waiting) while its KV is pulled."""
         assert self.kv_puller is not None
-        kv = await self.kv_puller.pull(engine, rank, prompt, params)  # never raises: None is a fallback
+        try:
+            kv = await self.kv_puller.pull(engine, rank, prompt, params)  # a failed pull is None: a fallback
+        except BaseException:  # cancelled (shutdown): never leave the request waiting
+            engine.attach_kv(request_id, None)
+            raise
         used = kv
         try:
             attached = engine.attach_kv(request_id, kv)
@@ -454,10 +458,10 @@ class _KvMoved:
     """What a request with kv_transfer_params got: the prompt tokens whose KV moved in (0: it was prefilled),
     reported back on its complete frame's kv_transfer_params_json."""
 
-    tokens: int | None = None  # None: the pull has not finished
+    tokens: int = 0
 
     def report(self) -> str:
-        return json.dumps({"moved_tokens": self.tokens or 0})
+        return json.dumps({"moved_tokens": self.tokens})
 
 
 def _refused_complete(num_prompt_tokens: int) -> vllm_engine_pb2.GenerateComplete:

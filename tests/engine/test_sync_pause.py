@@ -211,3 +211,14 @@ async def test_cancelled_pause_leaves_admission_closed(aengine: AsyncEngine) -> 
         aengine.generate("b", [1], greedy())
     await aengine.pause(PauseMode.ABORT)
     assert (await collect(stream))[-1].finish_reason == "abort"
+
+
+async def test_pause_wait_waits_for_a_request_held_for_its_kv(aengine: AsyncEngine) -> None:
+    stream = aengine.generate("held", [1, 2, 3], greedy(3), kv_pending=True)  # its KV is being pulled
+    pause = asyncio.ensure_future(aengine.pause(PauseMode.WAIT))
+    await asyncio.sleep(0.1)
+    assert not pause.done()  # it has not run yet: the WAIT pause must not pass it by
+    assert aengine.attach_kv("held", None)  # the pull ended without KV: it is prefilled
+    assert await asyncio.wait_for(pause, 10) == []
+    outs = await collect(stream)
+    assert outs[-1].finish_reason == "length" and aengine.paused

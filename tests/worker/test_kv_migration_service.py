@@ -12,6 +12,8 @@ import subprocess
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from types import SimpleNamespace
+from typing import Any
 
 import grpc
 import pytest
@@ -29,6 +31,7 @@ from psrl.worker.kv_migration import (
     remove_stale_segments,
     same_server,
 )
+from psrl.worker.servicer import ReferenceServicer, _KvMoved
 
 PROMPT = list(range(1, 40))
 
@@ -45,6 +48,10 @@ async def _abort(engine: AsyncEngine, request_id: str, stream: AsyncIterator[obj
     assert await engine.abort(request_id)
     async for _ in stream:
         pass
+
+
+async def _collect(stream: AsyncIterator[object]) -> list[Any]:
+    return [o async for o in stream]
 
 
 async def _eventually(condition: Callable[[], bool], timeout_s: float = 20.0) -> bool:
@@ -311,3 +318,22 @@ async def test_a_request_back_on_its_replica_under_another_name_adopts_its_pin(s
         src.engine.release_blocks(kv.block_ids)
     finally:
         await puller.close()
+
+
+async def test_an_async_request_whose_pull_is_cancelled_is_prefilled_not_left_waiting() -> None:
+    engine = _engine()
+
+    class CancelledPuller:
+        async def pull(self, *args: object) -> None:
+            raise asyncio.CancelledError  # e.g. the replica shutting down mid-pull
+
+    try:
+        stream = engine.generate("r", PROMPT, SamplingOptions(temperature=0.0, max_tokens=2), kv_pending=True)
+        stand_in = SimpleNamespace(kv_puller=CancelledPuller())
+        params = KvTransferParams("127.0.0.1:1", 0, "r", 0, "async", 5000)
+        with pytest.raises(asyncio.CancelledError):
+            await ReferenceServicer._pull_then_attach(stand_in, engine, 0, "r", PROMPT, params, _KvMoved())  # type: ignore[arg-type]
+        outs = await asyncio.wait_for(_collect(stream), 20)  # left waiting, it would never end
+        assert outs[-1].finish_reason == "length" and engine.engine.num_used_blocks == 0
+    finally:
+        engine.shutdown()
