@@ -64,14 +64,17 @@ class GenerationInput:
     kv_transfer_params_json: str = ""  # a looped-back request: where its KV is (see Dispatcher.kv_transfer_params)
 
     def to_proto(self, dp_rank: int) -> vllm_engine_pb2.GenerateRequest:
-        return vllm_engine_pb2.GenerateRequest(
+        request = vllm_engine_pb2.GenerateRequest(
             request_id=self.request_id,
             tokenized=vllm_engine_pb2.TokenizedInput(input_ids=self.prompt_ids),
             sampling_params=self.sampling.to_proto(),
             stream=self.stream,
             data_parallel_rank=dp_rank,
-            kv_transfer_params_json=self.kv_transfer_params_json,
         )
+        # proto3 `optional`: assigning "" marks the field present, and vLLM's servicer then parses it as JSON.
+        if self.kv_transfer_params_json:
+            request.kv_transfer_params_json = self.kv_transfer_params_json
+        return request
 
 
 @dataclass

@@ -1,0 +1,40 @@
+"""The GenerateRequest the router builds sets a proto3 `optional` field only when it carries a value.
+
+vLLM's servicer reads presence (`HasField`), not the value: an `optional` string set to "" is present on the
+wire and parsed as JSON there, so every generation request was refused.
+"""
+
+from __future__ import annotations
+
+from smg_grpc_proto.generated import vllm_engine_pb2
+
+from psrl.router.pipeline.context import GenerationInput, SamplingSpec
+
+
+def _present_optionals(message) -> set[str]:
+    """Names of the message's proto3 `optional` fields that are present (recursing into set sub-messages)."""
+    present = set()
+    for field in message.DESCRIPTOR.fields:
+        if field.has_presence and field.containing_oneof is not None and field.containing_oneof.name.startswith("_"):
+            if message.HasField(field.name):
+                present.add(field.name)
+    return present
+
+
+def test_unset_optionals_stay_absent() -> None:
+    gen = GenerationInput(request_id="r", prompt_ids=[1, 2], sampling=SamplingSpec())
+    proto = gen.to_proto(dp_rank=0)
+    wire = vllm_engine_pb2.GenerateRequest.FromString(proto.SerializeToString())
+    assert _present_optionals(wire) == {"data_parallel_rank"}
+    assert _present_optionals(wire.sampling_params) == set()
+    assert wire.sampling_params.WhichOneof("constraint") is None
+
+
+def test_set_optionals_are_present() -> None:
+    sampling = SamplingSpec(temperature=0.0, max_tokens=4, logprobs=0, seed=7)
+    gen = GenerationInput(request_id="r", prompt_ids=[1], sampling=sampling, kv_transfer_params_json='{"a": 1}')
+    wire = vllm_engine_pb2.GenerateRequest.FromString(gen.to_proto(dp_rank=1).SerializeToString())
+    assert _present_optionals(wire) == {"data_parallel_rank", "kv_transfer_params_json"}
+    # temperature 0 and logprobs 0 are values, not "unset": they must be present
+    assert _present_optionals(wire.sampling_params) == {"temperature", "max_tokens", "logprobs", "seed"}
+    assert wire.sampling_params.temperature == 0.0 and wire.sampling_params.logprobs == 0
