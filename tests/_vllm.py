@@ -1,0 +1,89 @@
+"""Real vLLM (the CPU build) for tests: a tiny Qwen2 checkpoint and stock vLLM gRPC replicas on loopback.
+
+The stock replica is vLLM's own launcher with the stock smg-grpc-servicer inside, exactly as users start it.
+Nothing is downloaded: the checkpoint is the reference engine's seeded random weights, saved as float32
+safetensors, so vLLM loads real weights (greedy decoding is reproducible) and has a file to reload.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from _procs import REPO, Proc, free_port
+from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+from psrl.engine.model import Qwen2Model
+from psrl.gateway.processes import stop_processes
+from psrl.worker.model_folder import WEIGHTS_FILE, build_tiny_model_folder, load_model_folder
+
+HAS_VLLM = all(importlib.util.find_spec(m) is not None for m in ("vllm", "smg_grpc_servicer"))
+# vLLM compiles and caches kernels; inside the build folder, so a test run never writes to the home directory.
+CACHE_ROOT = REPO / "build" / "vllm-cache"
+STARTUP_TIMEOUT_S = 300.0
+
+
+def vllm_env() -> dict[str, str]:
+    """The environment of a CPU vLLM replica in tests: one process, 1 GiB of KV, no warm-up, caches in build/."""
+    return {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "SMG_VLLM_SERVICER_WARMUP": "off",
+        "SMG_VLLM_SERVICER_KV_EVENTS": "0",
+        "TORCHINDUCTOR_CACHE_DIR": str(CACHE_ROOT / "inductor"),
+        "VLLM_CACHE_ROOT": str(CACHE_ROOT / "vllm"),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
+
+
+def build_vllm_model_folder(folder: Path, *, seed: int = 0) -> Path:
+    """The tiny model folder plus float32 `model.safetensors` (seeded reference weights)."""
+    build_tiny_model_folder(folder)
+    weights = folder / WEIGHTS_FILE
+    if not weights.is_file():
+        model = Qwen2Model.random(load_model_folder(folder).model_config, seed)
+        model.save_safetensors(weights)
+    return folder
+
+
+def engine_args(model_dir: Path) -> list[str]:
+    """vLLM engine arguments every test replica uses (real weights, float32, small context, eager)."""
+    return ["--model", str(model_dir), "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager"]
+
+
+def wait_healthy(proc: subprocess.Popen, target: str, log: Path, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM replica exited with {proc.returncode}:\n{log.read_text(errors='replace')}")
+            try:
+                if stub.HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=2.0).healthy:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    stop_processes([proc])
+    raise TimeoutError(f"vLLM replica not healthy in {timeout_s}s:\n{log.read_text(errors='replace')}")
+
+
+def start_stock_vllm(model_dir: Path, log_dir: Path, *, args: list[str] | None = None) -> Proc:
+    """`python -m vllm.entrypoints.launchers.grpc_server` (the stock servicer), ready to serve."""
+    port = free_port()
+    log = log_dir / f"stock-vllm-{port}.log"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.grpc_server", *engine_args(model_dir)]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), *(args or [])]
+    proc = subprocess.Popen(
+        cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=vllm_env(), start_new_session=True, cwd=REPO
+    )
+    target = f"127.0.0.1:{port}"
+    wait_healthy(proc, target, log)
+    return Proc(proc, f"grpc://{target}", log)
