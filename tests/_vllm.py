@@ -81,9 +81,10 @@ def start_stock_vllm(model_dir: Path, log_dir: Path, *, args: list[str] | None =
     log = log_dir / f"stock-vllm-{port}.log"
     cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.grpc_server", *engine_args(model_dir)]
     cmd += ["--host", "127.0.0.1", "--port", str(port), *(args or [])]
-    proc = subprocess.Popen(
-        cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=vllm_env(), start_new_session=True, cwd=REPO
-    )
+    with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=vllm_env(), start_new_session=True, cwd=REPO
+        )
     target = f"127.0.0.1:{port}"
     wait_healthy(proc, target, log)
     return Proc(proc, f"grpc://{target}", log)

@@ -13,12 +13,8 @@ from psrl.router.pipeline.context import GenerationInput, SamplingSpec
 
 def _present_optionals(message) -> set[str]:
     """Names of the message's proto3 `optional` fields that are present (recursing into set sub-messages)."""
-    present = set()
-    for field in message.DESCRIPTOR.fields:
-        if field.has_presence and field.containing_oneof is not None and field.containing_oneof.name.startswith("_"):
-            if message.HasField(field.name):
-                present.add(field.name)
-    return present
+    synthetic = [f for f in message.DESCRIPTOR.fields if f.containing_oneof and f.containing_oneof.name.startswith("_")]
+    return {f.name for f in synthetic if message.HasField(f.name)}
 
 
 def test_unset_optionals_stay_absent() -> None:
