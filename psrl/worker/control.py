@@ -21,7 +21,7 @@ from psrl.engine import AsyncEngine, PauseMode
 
 logger = logging.getLogger(__name__)
 
-_PAUSE_MODES = {
+PAUSE_MODES = {
     pb.PAUSE_MODE_ABORT: PauseMode.ABORT,
     pb.PAUSE_MODE_WAIT: PauseMode.WAIT,
     pb.PAUSE_MODE_KEEP: PauseMode.KEEP,
@@ -53,9 +53,9 @@ class ReplicaControlServicer(pb_grpc.ReplicaControlServicer):
     async def PauseGeneration(
         self, request: pb.PauseGenerationRequest, context: grpc.aio.ServicerContext
     ) -> pb.PauseGenerationResponse:
-        mode = _PAUSE_MODES.get(request.mode)
+        mode = PAUSE_MODES.get(request.mode)
         if mode is None:
-            await _invalid_argument(context, f"unknown pause mode {request.mode}")
+            await invalid_argument(context, f"unknown pause mode {request.mode}")
         async with self._sync_lock:
             reason = self._closed_reason()
             for engine in self.engines:  # no rank admits anything once any rank starts pausing
@@ -74,13 +74,13 @@ class ReplicaControlServicer(pb_grpc.ReplicaControlServicer):
     ) -> pb.LoadWeightsResponse:
         which = request.WhichOneof("source")
         if which is None:
-            await _invalid_argument(context, "LoadWeights needs a source: seed or path")
+            await invalid_argument(context, "LoadWeights needs a source: seed or path")
         async with self._sync_lock:
             try:
                 source = {"seed": request.seed} if which == "seed" else {"path": request.path}
                 models = await asyncio.gather(*(e.prepare_weights(**source) for e in self.engines))
             except ValueError as e:  # WeightLoadError: missing, unreadable or mismatched weights
-                await _invalid_argument(context, str(e))
+                await invalid_argument(context, str(e))
             await asyncio.gather(*(e.swap_weights(m, version=request.version) for e, m in zip(self.engines, models)))
             logger.info("loaded weights version %d from %s", request.version, which)
             return pb.LoadWeightsResponse(weight_version=self.weight_version)
@@ -123,6 +123,6 @@ class ReplicaControlServicer(pb_grpc.ReplicaControlServicer):
         return pb.FailSyncResponse(weight_version=self.weight_version)
 
 
-async def _invalid_argument(context: grpc.aio.ServicerContext, message: str) -> NoReturn:
+async def invalid_argument(context: grpc.aio.ServicerContext, message: str) -> NoReturn:
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
     raise AssertionError("context.abort returned")  # it always raises

@@ -19,6 +19,7 @@ def registration_body(
     kv_capacity_tokens: int,
     dp_size: int,
     kv_block_size: int,
+    tp_size: int = 1,
     worker_id: str | None = None,
 ) -> dict:
     """The body PSRL's replicas send; label values are strings."""
@@ -31,7 +32,7 @@ def registration_body(
         "labels": {
             "max_model_len": str(kv_capacity_tokens),
             "dp_size": str(dp_size),
-            "tp_size": "1",
+            "tp_size": str(tp_size),
             "pp_size": "1",
             "kv_block_size": str(kv_block_size),
         },
@@ -79,3 +80,31 @@ async def register_with_router(
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError(f"could not register with {router_url} within {timeout_s}s")
             await asyncio.sleep(0.5)
+
+
+def start_registration(target: str, router_url: str, body: dict, *, api_key: str | None, on_failure) -> asyncio.Task:
+    """Register in the background once our own HealthCheck passes; `on_failure()` if that never happens (a
+    replica its router cannot see is of no use: the caller exits non-zero)."""
+
+    async def _register() -> None:
+        await wait_until_healthy(target)
+        await register_with_router(router_url, body, api_key=api_key)
+
+    def _done(task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("registration failed: %s", task.exception())
+            on_failure()
+
+    task = asyncio.create_task(_register())
+    task.add_done_callback(_done)
+    return task
+
+
+def registration_failed(task: asyncio.Task | None) -> bool:
+    """At shutdown: whether a registration ended in an error (then the process exits 1); cancels it otherwise."""
+    if task is None:
+        return False
+    if task.done() and not task.cancelled() and task.exception() is not None:
+        return True
+    task.cancel()
+    return False

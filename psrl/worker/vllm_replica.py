@@ -1,0 +1,233 @@
+"""`python -m psrl.worker --engine vllm`: a real vLLM replica of ours.
+
+vLLM's AsyncLLM behind the stock smg-grpc-servicer (`VllmEngineServicer`, used as it is: generation, frames,
+aborts, loads and the tokenizer are vLLM's), plus on the same gRPC server our `ReplicaControl` mapped onto
+AsyncLLM (psrl/worker/vllm_control.py), the standard health service and server reflection. The only thing
+added in front of the stock Generate is the admission gate of a weight sync: while a sync pauses the replica
+(or after it failed) a new Generate gets the empty "abort" frame at once instead of queueing in a paused
+engine, as the reference replica does.
+
+vLLM's engine arguments come after `--` on our command line and go to vLLM's own parser; ours (`--model`,
+`--served-model-name`, `--dp-size`, `--host`, `--port`, `--router`) are translated. A model folder without
+weights is served with `--load-format dummy` (random weights; LoadWeights then needs a loader that reads
+files).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+from psrl._proto import replica_control_pb2_grpc
+from psrl.worker.admission import AdmissionGate, refused_complete
+from psrl.worker.model_folder import WEIGHTS_FILE
+from psrl.worker.registration import registration_body, registration_failed, start_registration
+
+if TYPE_CHECKING:
+    from psrl.worker.server import WorkerArgs
+
+logger = logging.getLogger("psrl.worker")
+
+# vLLM on a machine without CUDA (the CPU build): keep the model executor inside the engine-core process and
+# give the KV cache a modest default, unless the user chose otherwise.
+CPU_ENV_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
+
+
+def apply_env_defaults() -> None:
+    """Before vLLM is imported: its settings are read from the environment at import."""
+    import torch
+
+    if not torch.cuda.is_available():
+        for key, value in CPU_ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+
+
+def vllm_argv(args: WorkerArgs) -> list[str]:
+    """Our flags in vLLM's terms, then the user's own engine arguments (which win where they repeat one)."""
+    assert args.model is not None
+    extra = args.engine_args
+    argv = ["--model", args.model, "--data-parallel-size", str(args.dp_size), "--seed", str(args.seed)]
+    # Served under the folder's name, as the reference replica is: a mixed fleet serves one model id.
+    argv += ["--served-model-name", args.served_model_name or os.path.basename(os.path.normpath(args.model))]
+    if not os.path.isfile(os.path.join(args.model, WEIGHTS_FILE)) and not any(
+        a.startswith("--load-format") for a in extra
+    ):
+        argv += ["--load-format", "dummy"]
+    return argv + extra
+
+
+class FinalOnly:
+    """A streamed Generate's frames folded into what a non-streamed one answers: one complete frame per
+    choice (index), carrying every id and log-prob the choice produced, in index order, once all finished.
+
+    Streamed, each chunk carries a choice's new ids and the complete frame repeats the last chunk's delta,
+    so ids and log-probs come from the chunks and everything else from the complete frame.
+    """
+
+    def __init__(self) -> None:
+        self._chunks: dict[int, list[vllm_engine_pb2.GenerateStreamChunk]] = {}
+        self._completes: dict[int, vllm_engine_pb2.GenerateComplete] = {}
+
+    def add(self, frame: vllm_engine_pb2.GenerateResponse) -> None:
+        if frame.WhichOneof("response") == "chunk":
+            self._chunks.setdefault(frame.chunk.index, []).append(frame.chunk)
+        else:
+            self._completes[frame.complete.index] = frame.complete
+
+    def completes(self) -> list[vllm_engine_pb2.GenerateComplete]:
+        out = []
+        for index in sorted(self._completes):
+            complete = vllm_engine_pb2.GenerateComplete()
+            complete.CopyFrom(self._completes[index])
+            chunks = self._chunks.get(index, [])
+            del complete.output_ids[:]
+            complete.ClearField("output_logprobs")
+            for chunk in chunks:
+                complete.output_ids.extend(chunk.token_ids)
+                if chunk.HasField("output_logprobs"):
+                    lp = complete.output_logprobs
+                    lp.token_logprobs.extend(chunk.output_logprobs.token_logprobs)
+                    lp.token_ids.extend(chunk.output_logprobs.token_ids)
+                    lp.top_logprobs.extend(chunk.output_logprobs.top_logprobs)
+            if chunks and chunks[0].HasField("input_logprobs"):
+                complete.input_logprobs.CopyFrom(chunks[0].input_logprobs)
+            complete.completion_tokens = len(complete.output_ids)
+            out.append(complete)
+        return out
+
+
+def _gated_servicer_class() -> type:
+    from smg_grpc_servicer.vllm.servicer import VllmEngineServicer
+
+    class GatedVllmEngineServicer(VllmEngineServicer):
+        """The stock servicer, with a weight sync's admission gate in front of Generate."""
+
+        def __init__(self, llm: Any, start_time: float, gate: AdmissionGate) -> None:
+            super().__init__(llm, start_time)
+            self.gate = gate
+
+        async def Generate(
+            self, request: vllm_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[vllm_engine_pb2.GenerateResponse]:
+            reason = self.gate.closed_reason
+            if reason is not None:
+                logger.info("Generate %s refused: %s", request.request_id, reason)
+                yield vllm_engine_pb2.GenerateResponse(complete=refused_complete(len(request.tokenized.input_ids)))
+                return
+            self.gate.started(request.request_id)
+            finish_reason = None
+            try:
+                if request.stream:
+                    async for frame in super().Generate(request, context):
+                        if frame.WhichOneof("response") == "complete":
+                            finish_reason = frame.complete.finish_reason
+                        yield frame
+                    return
+                # vLLM's final-only output drops what an aborted request produced; streamed, every token
+                # arrives as it is made, so a sync abort loses nothing. Answered as final-only would be.
+                streamed = vllm_engine_pb2.GenerateRequest()
+                streamed.CopyFrom(request)
+                streamed.stream = True
+                final = FinalOnly()
+                async for frame in super().Generate(streamed, context):
+                    final.add(frame)
+                for complete in final.completes():
+                    finish_reason = complete.finish_reason
+                    yield vllm_engine_pb2.GenerateResponse(complete=complete)
+            finally:
+                self.gate.ended(request.request_id, finish_reason)
+
+    return GatedVllmEngineServicer
+
+
+async def serve_vllm(args: WorkerArgs) -> None:
+    if args.model is None:
+        raise SystemExit("--engine vllm needs --model DIR")
+    apply_env_defaults()
+    from grpc_health.v1 import health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+    from smg_grpc_servicer.vllm.health_servicer import VllmHealthServicer
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from psrl._proto import replica_control_pb2
+    from psrl.worker.vllm_control import VllmReplicaControl
+
+    start_time = time.time()
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm engine arguments"))
+    engine_args = AsyncEngineArgs.from_cli_args(parser.parse_args(vllm_argv(args)))
+    vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
+    llm = AsyncLLM.from_vllm_config(vllm_config=vllm_config, usage_context=UsageContext.OPENAI_API_SERVER)
+
+    gate = AdmissionGate()
+    servicer = _gated_servicer_class()(llm, start_time, gate)
+
+    async def queue_depth() -> tuple[int, int]:
+        loads = await servicer.GetLoads(vllm_engine_pb2.GetLoadsRequest(), None)
+        return sum(x.num_running_reqs for x in loads.loads), sum(x.num_waiting_reqs for x in loads.loads)
+
+    control = VllmReplicaControl(llm, gate, queue_depth)
+    health = VllmHealthServicer(llm)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+            # A non-streamed Generate is silent while it decodes: the router's keepalive pings are no strikes.
+            ("grpc.http2.max_ping_strikes", 0),
+            ("grpc.keepalive_permit_without_calls", True),
+        ]
+    )
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
+    replica_control_pb2_grpc.add_ReplicaControlServicer_to_server(control, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    services = (
+        vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name,
+        replica_control_pb2.DESCRIPTOR.services_by_name["ReplicaControl"].full_name,
+        "grpc.health.v1.Health",
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(services, server)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {args.host}:{args.port}")
+    target = f"{args.host}:{port}"
+    await server.start()
+    cache = vllm_config.cache_config
+    served_name = vllm_config.model_config.served_model_name
+    print(f"PSRL_WORKER_READY grpc://{target} dp_size={args.dp_size} model={served_name} engine=vllm", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    registration = None
+    if args.router:
+        body = registration_body(
+            grpc_url=f"grpc://{target}",
+            served_model_name=served_name,
+            kv_capacity_tokens=(cache.num_gpu_blocks or 0) * cache.block_size,
+            dp_size=args.dp_size,
+            tp_size=vllm_config.parallel_config.tensor_parallel_size,
+            kv_block_size=cache.block_size,
+            worker_id=args.worker_id,
+        )
+        registration = start_registration(target, args.router, body, api_key=args.router_api_key, on_failure=stop.set)
+
+    await stop.wait()
+    logger.info("shutting down")
+    health.set_not_serving()
+    await server.stop(grace=1.0)
+    llm.shutdown()
+    if registration_failed(registration):
+        raise SystemExit(1)
