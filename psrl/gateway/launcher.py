@@ -1,5 +1,6 @@
 """`python -m psrl.gateway`: start the router on the first free port from 8100 and, when no replicas are
-configured, the embedded default (two reference replicas, one with dp_size 2); print how to call it."""
+configured, replicas of its own: the embedded default (two reference replicas, one with dp_size 2), or
+`--replica-engine vllm --model DIR --replicas N` vLLM ones; print how to call it."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import yaml
 from psrl.gateway.processes import first_free_port, spawn_module, stop_processes
 
 logger = logging.getLogger("psrl.gateway")
+REPLICA_ENGINES = ("reference", "vllm")
 
 
 @dataclass
@@ -37,9 +39,12 @@ class GatewayConfig:
     enable_routing_loop: bool = True
     psrl_ps_manager_addr: str = ""
     router_args: list[str] = field(default_factory=list)  # extra `python -m psrl.router` flags, passed as given
-    # The embedded default, used only when worker_urls is empty.
-    embedded_model: str | None = None  # a model folder; default: the tiny one built locally
+    # Replicas of the gateway's own, started only when worker_urls is empty.
+    replica_engine: str = "reference"  # or "vllm" (python -m psrl.worker --engine vllm)
+    embedded_model: str | None = None  # a model folder; default: the tiny one built locally (reference only)
     embedded_dp_sizes: list[int] = field(default_factory=lambda: [1, 2])
+    replica_engine_args: list[str] = field(default_factory=list)  # vLLM engine arguments for each vLLM replica
+    kv_transfer_enable: bool = False  # KV migration on loop-backs (the router's --kv-transfer-enable)
     embedded_seed: int = 0
     embedded_torch_threads: int = 1
     startup_timeout_s: float = 180.0
@@ -50,6 +55,12 @@ class GatewayConfig:
             raise ValueError("no worker_urls and no embedded replicas: nothing to route to")
         if any(d < 1 for d in self.embedded_dp_sizes):
             raise ValueError("embedded_dp_sizes must all be >= 1")
+        if self.replica_engine not in REPLICA_ENGINES:
+            raise ValueError(f"replica_engine must be one of {REPLICA_ENGINES}")
+        if self.replica_engine == "vllm" and not self.worker_urls and not self.embedded_model:
+            raise ValueError("vLLM replicas need a model folder (--model DIR)")
+        if self.replica_engine_args and self.replica_engine != "vllm":
+            raise ValueError("replica_engine_args are vLLM engine arguments; they need replica_engine vllm")
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> GatewayConfig:
@@ -93,6 +104,8 @@ class RolloutGateway:
             args.append("--enable-routing-loop")
         if cfg.psrl_ps_manager_addr:
             args += ["--psrl-ps-manager-addr", cfg.psrl_ps_manager_addr]
+        if cfg.kv_transfer_enable:
+            args.append("--kv-transfer-enable")
         for flag, value in (
             ("--tokenizer-path", cfg.tokenizer_path),
             ("--api-key", cfg.api_key),
@@ -125,26 +138,16 @@ class RolloutGateway:
     def _start_embedded(self) -> None:
         cfg = self.config
         for i, dp in enumerate(cfg.embedded_dp_sizes):
-            args = [
-                "--host",
-                cfg.host,
-                "--port",
-                "0",
-                "--router",
-                self.router_url,
-                "--dp-size",
-                str(dp),
-                "--seed",
-                str(cfg.embedded_seed),
-                "--torch-threads",
-                str(cfg.embedded_torch_threads),
-                "--worker-id",
-                f"replica-{i}",
-            ]
+            args = ["--engine", cfg.replica_engine, "--host", cfg.host, "--port", "0", "--router", self.router_url]
+            args += ["--dp-size", str(dp), "--seed", str(cfg.embedded_seed), "--worker-id", f"replica-{i}"]
+            if cfg.replica_engine == "reference":
+                args += ["--torch-threads", str(cfg.embedded_torch_threads)]
             if cfg.embedded_model:
                 args += ["--model", cfg.embedded_model]
             if cfg.admin_api_key:
                 args += ["--router-api-key", cfg.admin_api_key]
+            if cfg.replica_engine_args:
+                args += ["--", *cfg.replica_engine_args]
             self._replicas.append(spawn_module("psrl.worker", args, log_file=self._log(f"replica-{i}")))
 
     def _admin_headers(self) -> dict[str, str]:
@@ -210,7 +213,12 @@ def _banner(gw: RolloutGateway) -> str:
         workers = client.get("/workers").json()["workers"]
     model = workers[0]["models"][0]["id"] if workers else "?"
     instances = sum(w["dp_size"] for w in workers)
-    kind = "embedded default (reference replicas)" if gw.embedded else "configured"
+    if not gw.embedded:
+        kind = "configured"
+    elif gw.config.replica_engine == "vllm":
+        kind = "vLLM replicas started by the gateway"
+    else:
+        kind = "embedded default (reference replicas)"
     url = gw.router_url
     return f"""
 psrl-gateway is up
@@ -242,14 +250,25 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--tokenizer-path")
     p.add_argument("--api-key")
     p.add_argument("--admin-api-key")
-    p.add_argument("--embedded-model")
-    p.add_argument("--embedded-dp-sizes", type=int, nargs="+")
+    p.add_argument("--replica-engine", choices=REPLICA_ENGINES, help="the engine of the replicas started here")
+    p.add_argument("--model", "--embedded-model", dest="embedded_model", help="model folder of those replicas")
+    p.add_argument("--embedded-dp-sizes", type=int, nargs="+", help="one replica per entry, with that dp_size")
+    p.add_argument("--replicas", type=int, help="N replicas of dp_size 1 (instead of --embedded-dp-sizes)")
+    p.add_argument("--kv-transfer-enable", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument(
+        "--replica-engine-args", nargs=argparse.REMAINDER, help="everything after it goes to each vLLM replica"
+    )
     p.add_argument("--log-dir")
     p.add_argument("--enable-routing-loop", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--psrl-ps-manager-addr")
     p.add_argument("--router-args", nargs=argparse.REMAINDER, help="everything after it goes to the router")
     ns = vars(p.parse_args(argv))
     config_path = ns.pop("config")
+    replicas = ns.pop("replicas")
+    if replicas is not None:
+        if replicas < 1:
+            p.error("--replicas must be >= 1")
+        ns["embedded_dp_sizes"] = [1] * replicas
     cfg = GatewayConfig.from_yaml(config_path) if config_path else GatewayConfig()
     overrides = {k: v for k, v in ns.items() if v is not None}
     cfg = dataclasses.replace(cfg, **overrides)

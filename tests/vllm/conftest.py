@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from _procs import Proc
-from _vllm import HAS_VLLM, build_vllm_model_folder, start_stock_vllm
+from _vllm import HAS_VLLM, build_vllm_model_folder, start_stock_vllm, start_vllm_replica
 
 from psrl.gateway.processes import stop_processes
 
@@ -33,3 +33,14 @@ def stock_vllm(vllm_model_dir: Path, log_dir: Path) -> Iterator[Proc]:
     proc = start_stock_vllm(vllm_model_dir, log_dir)
     yield proc
     stop_processes([proc.proc])
+
+
+@pytest.fixture(scope="session")
+def vllm_pair(vllm_model_dir: Path, log_dir: Path) -> Iterator[list[Proc]]:
+    """Two replicas of ours (`python -m psrl.worker --engine vllm`), same weights, for the whole session."""
+    procs: list[Proc] = []
+    try:
+        procs += [start_vllm_replica(vllm_model_dir, log_dir), start_vllm_replica(vllm_model_dir, log_dir)]
+        yield procs
+    finally:
+        stop_processes([p.proc for p in procs])
