@@ -12,6 +12,10 @@ process is started for the strategy and stopped after it, all on 127.0.0.1):
   (seeded by its prompt id): a long tail of rollout lengths, which is what a drain has to wait for.
 - weight syncs: every --sync-interval seconds (start to start; an overrunning sync is followed at once by the
   next), to version v = 1, 2, ... with seed v (real weight changes on every replica).
+- --engine vllm: the replicas are real vLLM ones of ours (`python -m psrl.worker --engine vllm --model DIR --
+  --dtype float32 --enforce-eager ...`, vLLM's CPU build here); --model DIR (default: the tiny folder with
+  seeded float32 weights, built under bench/out/) and each sync reloads a safetensors file in place, alternating
+  between two seeded weight files written next to it (vLLM loads weights from files, not seeds).
 
 Strategies:
 
@@ -85,6 +89,30 @@ STRATEGIES: dict[str, str] = {
     "n": "(n) no syncs (ceiling)",
 }
 REPLICA_CPUS: set[int] = set()  # --pin: the replicas' CPUs (the router and the bench keep the others)
+VLLM_ENGINE_ARGS = ["--dtype", "float32", "--max-model-len", "4096", "--enforce-eager"]
+
+
+def weight_source(version: int, args: argparse.Namespace) -> dict[str, int | str]:
+    """LoadWeights' source for a sync to `version`: a seed on the reference engine, a file on vLLM."""
+    if args.engine == "vllm":
+        return {"path": str(args.weight_files[version % len(args.weight_files)])}
+    return {"seed": version}
+
+
+def prepare_vllm_model(args: argparse.Namespace) -> None:
+    """The model folder vLLM replicas serve (real weights) and the two weight files syncs alternate between."""
+    from psrl.worker.model_folder import WEIGHTS_FILE, build_tiny_model_folder, write_seeded_weights
+
+    if args.model is None:
+        args.model = build_tiny_model_folder(args.out_dir / "vllm-model")
+        if not (args.model / WEIGHTS_FILE).is_file():
+            write_seeded_weights(args.model, 0)
+    args.weight_files = []
+    for seed in (1, 2):
+        path = args.out_dir / f"vllm-weights-{seed}.safetensors"
+        if not path.is_file():
+            write_seeded_weights(args.model, seed, path)
+        args.weight_files.append(path)
 
 
 # ---- processes ------------------------------------------------------------------------------------------------
@@ -104,8 +132,11 @@ def start_fleet(procs: Procs, strategy: str, args: argparse.Namespace) -> Fleet:
     commands: list[list[str]] = []
     replicas = []
     for i in range(args.replicas):
-        argv = [sys.executable, "-m", "psrl.worker", "--host", HOST, "--port", "0", "--torch-threads", "1"]
-        argv += ["--dp-size", str(args.dp_size)]
+        argv = [sys.executable, "-m", "psrl.worker", "--host", HOST, "--port", "0", "--dp-size", str(args.dp_size)]
+        if args.engine == "vllm":
+            argv += ["--engine", "vllm", "--model", str(args.model), "--", *VLLM_ENGINE_ARGS]
+        else:
+            argv += ["--torch-threads", "1"]
         replicas.append((f"{strategy}-replica{i}", procs.start(f"{strategy}-replica{i}", argv, REPLICA_CPUS or None)))
         commands.append(argv)
     urls = [
@@ -159,7 +190,7 @@ async def drain_sync(
     replicas: list[ReplicaHandle],
     version: int,
     *,
-    seed: int,
+    source: dict[str, int | str],
     timeout_s: float,
 ) -> dict[str, float]:
     """Sync without interrupting anything: stop dispatching, let every running request finish, then swap.
@@ -167,7 +198,7 @@ async def drain_sync(
     1. pause the routing loop and wait for its barrier (coordinator.pause_routing);
     2. PauseGeneration(PAUSE_MODE_WAIT) on every replica: returns once its running requests finished normally;
     3. poll GET /routing_loop/status until the router holds no running request (their answers went out);
-    4. LoadWeights(version, seed) everywhere; 5. publish the version for every rank;
+    4. LoadWeights(version, source) everywhere; 5. publish the version for every rank;
     6. ResumeGeneration on every replica, then resume the routing loop (always, even on failure).
     Returns the phase durations.
     """
@@ -193,7 +224,7 @@ async def drain_sync(
                 raise TimeoutError(f"the router still runs requests {timeout_s:.0f}s after the replicas drained")
             await asyncio.sleep(0.01)
         mark("drain_router")
-        load = rc.LoadWeightsRequest(version=version, seed=seed)
+        load = rc.LoadWeightsRequest(version=version, **source)
         await asyncio.gather(*(stubs[r.worker_id].LoadWeights(load, timeout=timeout_s) for r in replicas))
         mark("load_weights")
         updates = [
@@ -363,10 +394,11 @@ async def one_sync(
 ) -> None:
     try:
         if strategy == "c":
-            phases = await drain_sync(coord, http, stubs, replicas, version, seed=version, timeout_s=args.sync_timeout)
+            source = weight_source(version, args)
+            phases = await drain_sync(coord, http, stubs, replicas, version, source=source, timeout_s=args.sync_timeout)
             aborted = 0
         else:
-            report = await coord.sync_weights(version, seed=version, replicas=replicas)
+            report = await coord.sync_weights(version, replicas=replicas, **weight_source(version, args))
             phases, aborted = report.phases, report.aborted_requests
         counters.syncs.append(SyncResult(version, start, time.monotonic() - start, phases, aborted))
     except Exception as e:  # recorded; the bench goes on (the coordinator resumed the loop)
@@ -699,6 +731,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--engine", choices=("reference", "vllm"), default="reference", help="the replicas' engine")
+    p.add_argument("--model", type=Path, default=None, help="--engine vllm: model folder with model.safetensors")
     p.add_argument("--dp-size", type=int, default=1)
     p.add_argument("--request-timeout", type=float, default=120.0, help="per request, s")
     p.add_argument("--sync-timeout", type=float, default=60.0, help="per sync RPC / drain / loop-back wait, s")
@@ -732,6 +766,8 @@ def main(argv: list[str] | None = None) -> None:
         os.sched_setaffinity(0, set(available[:-1]))  # the bench, and the router it starts
         print(f"pinned: replicas on CPU {available[-1]}, router and bench on {available[:-1]}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.engine == "vllm":
+        prepare_vllm_model(args)
     log_dir = args.out_dir / "logs" / f"partial_rollout_{args.stamp}"
     install_signal_handlers(args.deadline)
     legs: list[Leg] = []

@@ -18,9 +18,8 @@ import grpc
 from _procs import REPO, Proc, free_port, read_ready_line
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from psrl.engine.model import Qwen2Model
 from psrl.gateway.processes import stop_processes
-from psrl.worker.model_folder import WEIGHTS_FILE, build_tiny_model_folder, load_model_folder
+from psrl.worker.model_folder import WEIGHTS_FILE, build_tiny_model_folder, write_seeded_weights
 
 HAS_VLLM = all(importlib.util.find_spec(m) is not None for m in ("vllm", "smg_grpc_servicer"))
 # vLLM compiles and caches kernels; inside the build folder, so a test run never writes to the home directory.
@@ -46,10 +45,8 @@ def vllm_env() -> dict[str, str]:
 def build_vllm_model_folder(folder: Path, *, seed: int = 0) -> Path:
     """The tiny model folder plus float32 `model.safetensors` (seeded reference weights)."""
     build_tiny_model_folder(folder)
-    weights = folder / WEIGHTS_FILE
-    if not weights.is_file():
-        model = Qwen2Model.random(load_model_folder(folder).model_config, seed)
-        model.save_safetensors(weights)
+    if not (folder / WEIGHTS_FILE).is_file():
+        write_seeded_weights(folder, seed)
     return folder
 
 

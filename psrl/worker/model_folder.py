@@ -51,6 +51,16 @@ def build_tiny_model_folder(folder: str | Path | None = None) -> Path:
     return folder
 
 
+def write_seeded_weights(folder: str | Path, seed: int, path: str | Path | None = None) -> Path:
+    """The folder's model with the reference engine's seeded random weights, saved as float32 safetensors
+    (default: its `model.safetensors`, so any engine that reads the folder, vLLM too, loads real weights)."""
+    from psrl.engine.model import Qwen2Model
+
+    out = Path(path) if path is not None else Path(folder) / WEIGHTS_FILE
+    Qwen2Model.random(load_model_folder(folder).model_config, seed).save_safetensors(out)
+    return out
+
+
 def load_model_folder(folder: str | Path) -> ModelFolder:
     folder = Path(folder)
     config_file = folder / "config.json"
