@@ -8,6 +8,10 @@ KV events: `subscribe_kv_events()` returns a stream that starts with a snapshot 
 gets the events of every step, pushed by the step thread right after the step (no polling). The engine
 records events only while at least one subscriber exists.
 
+Parallel sampling (`n > 1`), as vLLM's AsyncLLM does it: the n choices of a request run as requests of their own
+(`{index}_{request_id}`, seeded ones with seed + index), share one stream whose outputs carry their choice's
+`index`, and end together on abort(request_id).
+
 Weight syncs: `pause(mode)` closes admission and returns once the pause is in effect, i.e. once the step
 thread sits idle with nothing it may run (so no forward is in flight and every abort output is handed to
 its stream); `resume()` undoes it. `prepare_weights` + `swap_weights` split `load_weights` so that a
@@ -21,13 +25,20 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from psrl.engine.engine import Engine, EngineStats
-from psrl.engine.errors import DuplicateRequestError, EngineDeadError, EngineStepError, KvEventsOverflowError
+from psrl.engine.errors import (
+    DuplicateRequestError,
+    EngineDeadError,
+    EngineStepError,
+    InvalidRequestError,
+    KvEventsOverflowError,
+)
 from psrl.engine.kv_events import KvEvent, KvEventsUpdate
 from psrl.engine.model import Qwen2Model
 from psrl.engine.request import RequestOutput
@@ -39,23 +50,36 @@ logger = logging.getLogger(__name__)
 _Item = RequestOutput | BaseException
 
 
-class RequestStream(AsyncIterator[RequestOutput]):
-    """Delta outputs of one request. Ends after the finished output; raises if the engine failed it.
+def choice_request_id(request_id: str, index: int) -> str:
+    """The engine's id of choice `index` of an n > 1 request (vLLM's child request id)."""
+    return f"{index}_{request_id}"
 
-    Leaving it early (cancellation, `aclose()`, or dropping it unfinished) aborts the request.
+
+class RequestStream(AsyncIterator[RequestOutput]):
+    """Delta outputs of one request, of every choice of it when n > 1 (each output carries its `index` and the
+    request's id). Ends once every choice had its finished output; raises if the engine failed one (the others
+    are aborted then).
+
+    Leaving it early (cancellation, `aclose()`, or dropping it unfinished) aborts every unfinished choice.
     """
 
-    def __init__(self, owner: AsyncEngine, request_id: str) -> None:
+    def __init__(self, owner: AsyncEngine, request_id: str, engine_ids: Sequence[str]) -> None:
         self.request_id = request_id
         self._owner = owner
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
-        self._done = False
+        self._unfinished = {engine_id: index for index, engine_id in enumerate(engine_ids)}  # -> choice index
+        self._parallel = len(engine_ids) > 1
+
+    @property
+    def engine_ids(self) -> tuple[str, ...]:
+        """The engine's ids of the choices that have not finished yet."""
+        return tuple(self._unfinished)
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self._done:
+        if not self._unfinished:
             raise StopAsyncIteration
         try:
             item = await self._queue.get()
@@ -63,23 +87,28 @@ class RequestStream(AsyncIterator[RequestOutput]):
             self._close()
             raise
         if isinstance(item, BaseException):
-            self._done = True
+            self._close()  # the failed choice is gone already; the others would run for nobody
             raise item
+        index = self._unfinished[item.request_id]
         if item.finished:
-            self._done = True
+            del self._unfinished[item.request_id]
+            if not self._unfinished:
+                self._owner._forget(self)
+        if self._parallel:
+            item = replace(item, request_id=self.request_id, index=index)
         return item
 
     async def aclose(self) -> None:
         self._close()
 
     def _close(self) -> None:
-        if not self._done:
-            self._done = True
-            self._owner._abort_quietly(self.request_id, self._queue)
+        if self._unfinished:
+            self._owner._abort_quietly(self)
+            self._unfinished.clear()
 
     def __del__(self) -> None:
-        if not self._done:
-            self._owner._abort_quietly(self.request_id, self._queue)
+        if self._unfinished:
+            self._owner._abort_quietly(self)
 
 
 class KvEventStream(AsyncIterator[KvEventsUpdate]):
@@ -142,8 +171,9 @@ class KvEventStream(AsyncIterator[KvEventsUpdate]):
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[_Item]]] = {}
-        self._streams_lock = threading.Lock()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[_Item]]] = {}  # by engine id
+        self._parallel: dict[str, RequestStream] = {}  # n > 1 requests by their own id, for abort
+        self._streams_lock = threading.Lock()  # both tables
         self._kv_subscribers: list[KvEventStream] = []
         # Held while taking events from the engine and queueing them to subscribers, so that every
         # subscriber sees them in the engine's order whichever thread publishes.
@@ -170,24 +200,40 @@ class AsyncEngine:
     ) -> RequestStream:
         """Add a request and return its stream of delta outputs (`preloaded`, `kv_pending`: Engine.add_request).
 
+        With `sampling.n > 1` its choices run as requests of their own (see the module docstring); they take no
+        migrated KV and a sync abort never pins theirs: KV migration moves whole requests, n == 1 only.
         Validation errors (typed ValueErrors) raise here, before any iteration. Use as
         `async for out in engine.generate(...)`; must be called with a running event loop.
         """
         if self._shutdown or not self._thread.is_alive():
             raise EngineDeadError("the engine is shut down")
+        sampling.validate()
+        n = sampling.n
+        if n > 1 and (preloaded is not None or kv_pending):
+            raise InvalidRequestError(f"request {request_id!r}: migrated KV is for n == 1 requests, not n = {n}")
+        engine_ids = [request_id] if n == 1 else [choice_request_id(request_id, i) for i in range(n)]
         loop = asyncio.get_running_loop()
-        stream = RequestStream(self, request_id)
+        stream = RequestStream(self, request_id, engine_ids)
         with self._streams_lock:
-            if request_id in self._streams:
-                stream._done = True
+            if any(i in self._streams or i in self._parallel for i in {request_id, *engine_ids}):
+                stream._unfinished.clear()
                 raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
-            self._streams[request_id] = (loop, stream._queue)
+            for engine_id in engine_ids:
+                self._streams[engine_id] = (loop, stream._queue)
+            if n > 1:
+                self._parallel[request_id] = stream
         try:
-            self.engine.add_request(request_id, prompt_token_ids, sampling, preloaded=preloaded, kv_pending=kv_pending)
+            if n == 1:
+                self.engine.add_request(
+                    request_id, prompt_token_ids, sampling, preloaded=preloaded, kv_pending=kv_pending
+                )
+            else:
+                for index, engine_id in enumerate(engine_ids):
+                    choice = sampling.for_choice(index)
+                    self.engine.add_request(engine_id, prompt_token_ids, choice, pin_on_sync_abort=False)
         except BaseException:
-            stream._done = True
-            with self._streams_lock:
-                self._streams.pop(request_id, None)
+            self._abort_quietly(stream)  # the choices already added, if any; none of them has produced anything
+            stream._unfinished.clear()
             raise
         self._notify()
         return stream
@@ -200,11 +246,15 @@ class AsyncEngine:
         return attached
 
     async def abort(self, request_id: str) -> bool:
-        """Abort a request; its stream ends with an "abort" output. False if unknown or finished."""
-        aborted = self.engine.abort(request_id)
-        if aborted:
+        """Abort a request, every choice of an n > 1 one; each ends with an "abort" output on the stream. False
+        if unknown or finished."""
+        with self._streams_lock:
+            parallel = self._parallel.get(request_id)
+        engine_ids = parallel.engine_ids if parallel is not None else (request_id,)
+        aborted = [self.engine.abort(engine_id) for engine_id in engine_ids]
+        if any(aborted):
             self._notify()
-        return aborted
+        return any(aborted)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -349,6 +399,7 @@ class AsyncEngine:
             self._thread.join(timeout)
         with self._streams_lock:
             streams, self._streams = self._streams, {}
+            self._parallel.clear()
         for request_id in streams:
             self.engine.abort(request_id)
         self._deliver([(loop, queue, EngineDeadError("the engine was shut down")) for loop, queue in streams.values()])
@@ -393,18 +444,27 @@ class AsyncEngine:
         with self._wake:
             self._wake.notify()
 
-    def _abort_quietly(self, request_id: str, queue: asyncio.Queue[_Item]) -> None:
-        """A stream was left unfinished: abort its request, unless the id now belongs to a newer stream."""
+    def _forget(self, stream: RequestStream) -> None:
+        """A stream ended: an n > 1 request's id is free again."""
+        with self._streams_lock:
+            if self._parallel.get(stream.request_id) is stream:
+                del self._parallel[stream.request_id]
+
+    def _abort_quietly(self, stream: RequestStream) -> None:
+        """A stream was left unfinished: abort its unfinished choices, except ids that now belong to a newer
+        stream; their outputs go nowhere."""
         aborted = False
         try:
+            self._forget(stream)
             with self._streams_lock:
-                target = self._streams.get(request_id)
-                if target is None or target[1] is not queue:
-                    return  # already finished, failed or shut down
-                del self._streams[request_id]
-                aborted = self.engine.abort(request_id)
+                for engine_id in stream.engine_ids:
+                    target = self._streams.get(engine_id)
+                    if target is None or target[1] is not stream._queue:
+                        continue  # already finished, failed or shut down
+                    del self._streams[engine_id]
+                    aborted = self.engine.abort(engine_id) or aborted
         except Exception:  # interpreter shutdown in __del__: nothing left to abort
-            logger.debug("abort of %s on stream close failed", request_id, exc_info=True)
+            logger.debug("abort of %s on stream close failed", stream.request_id, exc_info=True)
         if aborted:
             self._notify()
 

@@ -1,5 +1,8 @@
 """The reference engine's synchronous core: admission, one batched forward per step, sampling, stop checks.
 
+Stop checks follow vLLM: the tokenizer's EOS (unless ignore_eos), a stop token id, the length limit, and stop
+strings, matched in the output decoded incrementally (stop_strings.py; needs the engine's `tokenizer`).
+
 Thread-safety: `add_request`, `abort` and the stats take a short lock and can be called from any thread
 while `step()` runs in another; the model forward itself runs outside that lock. `load_weights` builds
 the new weights off to the side and swaps them between two steps (and clears the prefix cache, whose
@@ -36,6 +39,7 @@ from psrl.engine.errors import (
     EmptyPromptError,
     EngineStepError,
     InvalidRequestError,
+    InvalidSamplingError,
     KVCacheTooSmallError,
     MaxModelLenExceededError,
     TokenOutOfRangeError,
@@ -47,7 +51,11 @@ from psrl.engine.prefix_cache import BlockPool
 from psrl.engine.request import Request, RequestOutput, RequestStatus
 from psrl.engine.sampler import Sampler, SampleResult, SamplingOptions
 from psrl.engine.scheduler import ScheduledChunk, Scheduler
+from psrl.engine.stop_strings import StopStringDetector
 from psrl.engine.sync import KvLease, PreloadedKV, SyncAbortedRequest
+from psrl.tokenizer import Tokenizer
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the most alternatives a request may ask for per token
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,8 @@ class Engine:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 4096,
         enable_prefix_caching: bool = True,
+        tokenizer: Tokenizer | None = None,
+        max_logprobs: int = MAX_LOGPROBS,
     ) -> None:
         model_config.validate()
         cache_config.validate()
@@ -95,7 +105,11 @@ class Engine:
         self.cache_config = cache_config
         self.device = torch.device(device)
         self.seed = seed
+        # The first is the tokenizer's EOS; further ones are the model's other EOS ids, which vLLM turns into
+        # stop token ids (so they end a request reported as a matched token, and ignore_eos ignores them too).
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.tokenizer = tokenizer  # decodes outputs for stop strings; without one, stop strings are refused
+        self.max_logprobs = max_logprobs
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = model_config.max_position_embeddings
@@ -195,13 +209,17 @@ class Engine:
         *,
         preloaded: PreloadedKV | None = None,
         kv_pending: bool = False,
+        pin_on_sync_abort: bool = True,
     ) -> None:
         """Queue a request. `preloaded`: migrated KV for its leading tokens (the blocks become the request's);
-        `kv_pending`: hold it until `attach_kv` hands it its migrated KV (or none: then it is prefilled)."""
+        `kv_pending`: hold it until `attach_kv` hands it its migrated KV (or none: then it is prefilled);
+        `pin_on_sync_abort` False: a sync abort frees its KV even when pinning is on (a choice of an n > 1
+        request: KV migration moves whole requests only)."""
         closed = self._admission_closed
         if closed is not None:  # refused before validation, like a paused vLLM servicer
             raise AdmissionClosedError(closed)
         sampling.validate()
+        self._check_sampling(request_id, sampling)
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
         prompt = list(prompt_token_ids)
@@ -216,7 +234,14 @@ class Engine:
                 f"request {request_id!r}: prompt token id {bad} is outside the vocabulary [0, {vocab})"
             )
         max_total = self._max_total_tokens(request_id, len(prompt), sampling.max_tokens)
-        request = Request(request_id, prompt, sampling, max_total)
+        detector = None
+        if sampling.stop:
+            assert self.tokenizer is not None  # checked by _check_sampling
+            skip = sampling.skip_special_tokens
+            detector = StopStringDetector(self.tokenizer, sampling.stop, skip_special_tokens=skip)
+        request = Request(
+            request_id, prompt, sampling, max_total, stop_detector=detector, pin_on_sync_abort=pin_on_sync_abort
+        )
         if preloaded is not None:
             self._check_preloaded(request, preloaded)
         with self._lock:
@@ -232,6 +257,26 @@ class Engine:
             if preloaded is not None:
                 self._preload_locked(request, preloaded)
             self._scheduler.add(request)
+
+    def _check_sampling(self, request_id: str, sampling: SamplingOptions) -> None:
+        """What SamplingOptions.validate cannot tell alone: limits of this engine and its vocabulary."""
+        if sampling.n != 1:
+            raise InvalidSamplingError(
+                f"request {request_id!r}: the engine runs one sequence per request; AsyncEngine.generate runs n > 1"
+            )
+        if sampling.logprobs is not None and sampling.logprobs > self.max_logprobs:
+            raise InvalidSamplingError(
+                f"Requested sample logprobs of {sampling.logprobs}, which is greater than max allowed: "
+                f"{self.max_logprobs}"
+            )
+        vocab = self.model_config.vocab_size
+        outside = [t for t in sampling.stop_token_ids if t >= vocab]
+        if outside:
+            raise InvalidSamplingError(
+                f"token_id(s) {outside} in stop_token_ids contain out-of-vocab token ids. Vocabulary size: {vocab}"
+            )
+        if sampling.stop and self.tokenizer is None:
+            raise InvalidSamplingError("stop strings need the engine's tokenizer, and this engine has none")
 
     def _check_preloaded(self, request: Request, kv: PreloadedKV) -> None:
         block_size = self.cache_config.block_size
@@ -258,15 +303,17 @@ class Engine:
         request.cache_epoch = -1  # computed elsewhere (maybe under other weights): never shared via the cache
 
     def _max_total_tokens(self, request_id: str, prompt_len: int, max_tokens: int | None) -> int:
-        """The most tokens (prompt + output) this request may reach, or a typed error if it cannot run."""
+        """The most tokens (prompt + output) this request may reach, or a typed error if it cannot run.
+
+        Like vLLM, a max_tokens reaching past max_model_len is no error: the request ends there ("length")."""
         kv_capacity = self.cache_config.capacity_tokens
+        if prompt_len >= self.max_model_len:
+            raise MaxModelLenExceededError(
+                f"request {request_id!r}: prompt of {prompt_len} tokens leaves no room to generate under "
+                f"max_model_len {self.max_model_len}"
+            )
         if max_tokens is not None:
-            total = prompt_len + max_tokens
-            if total > self.max_model_len:
-                raise MaxModelLenExceededError(
-                    f"request {request_id!r}: prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
-                    f"{total} exceeds max_model_len {self.max_model_len}"
-                )
+            total = min(prompt_len + max_tokens, self.max_model_len)
             # The last sampled token never needs a KV slot.
             if total - 1 > kv_capacity:
                 raise KVCacheTooSmallError(
@@ -275,11 +322,6 @@ class Engine:
                     f"{self.cache_config.block_size})"
                 )
             return total
-        if prompt_len >= self.max_model_len:
-            raise MaxModelLenExceededError(
-                f"request {request_id!r}: prompt of {prompt_len} tokens leaves no room to generate under "
-                f"max_model_len {self.max_model_len}"
-            )
         if prompt_len > kv_capacity:
             raise KVCacheTooSmallError(
                 f"request {request_id!r}: prompt of {prompt_len} tokens can never fit in the KV cache "
@@ -373,7 +415,7 @@ class Engine:
                 )
                 if self.on_sync_abort is not None:
                     self.on_sync_abort(snapshot)
-                if self.kv_pin_ttl_s is not None:
+                if self.kv_pin_ttl_s is not None and req.pin_on_sync_abort:
                     self._pin_locked(req, self.kv_pin_ttl_s)
                 self._abort_locked(req)
                 aborted.append(snapshot)
@@ -629,6 +671,9 @@ class Engine:
             token = sampled.token_ids[row]
             req.token_ids.append(token)
             finish_reason, matched = self._check_stop(req, token)
+            matched_str = self._check_stop_strings(req, token, finish_reason)
+            if matched_str is not None:
+                finish_reason, matched = "stop", None
             logprob = sampled.logprobs[row]
             top = sampled.top_logprobs[row]
             outputs.append(
@@ -642,6 +687,7 @@ class Engine:
                     num_prompt_tokens=req.num_prompt_tokens,
                     num_cached_tokens=max(req.num_cached_tokens, 0),
                     num_output_tokens=req.num_output_tokens,
+                    matched_stop_str=matched_str,
                 )
             )
             if finish_reason is not None:
@@ -652,12 +698,22 @@ class Engine:
     def _check_stop(self, req: Request, token: int) -> tuple[str | None, int | None]:
         """vLLM's rules; a stop token ends the request even on its last allowed position."""
         if not req.sampling.ignore_eos and token in self.eos_token_ids:
-            return "stop", None  # like vLLM: EOS is not reported as a matched stop token
+            # Like vLLM: the tokenizer's EOS is not reported as a matched stop token, the model's other EOS ids are.
+            return "stop", None if token == self.eos_token_ids[0] else token
         if token in req.sampling.stop_token_ids:
             return "stop", token
         if req.num_tokens >= req.max_total_tokens:
             return "length", None
         return None, None
+
+    @staticmethod
+    def _check_stop_strings(req: Request, token: int, finish_reason: str | None) -> str | None:
+        """The stop string `token` completes, checked after the id rules as vLLM's detokenizer does: a stop string
+        also ends a request at its length limit, and the text of a token that stopped it by id is left out
+        unless include_stop_str_in_output (so that id stays the reason)."""
+        if req.stop_detector is None or (finish_reason == "stop" and not req.sampling.include_stop_str_in_output):
+            return None
+        return req.stop_detector.push(token)
 
     # ---- stats ----------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from psrl.engine.sampler import SamplingOptions
+from psrl.engine.stop_strings import StopStringDetector
 
 
 class RequestStatus(enum.Enum):
@@ -30,6 +31,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int  # total so far, this delta included
+    matched_stop_str: str | None = None  # the stop string that ended it (then matched_stop_token_id is None)
+    index: int = 0  # which choice of an n > 1 request (set by AsyncEngine's stream)
 
     @property
     def finished(self) -> bool:
@@ -49,9 +52,11 @@ class Request:
         "num_cached_tokens",
         "num_computed_tokens",
         "num_prompt_tokens",
+        "pin_on_sync_abort",
         "request_id",
         "sampling",
         "status",
+        "stop_detector",
         "token_ids",
     )
 
@@ -61,6 +66,9 @@ class Request:
         prompt_token_ids: list[int],
         sampling: SamplingOptions,
         max_total_tokens: int,
+        *,
+        stop_detector: StopStringDetector | None = None,
+        pin_on_sync_abort: bool = True,
     ) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + output so far
@@ -78,6 +86,8 @@ class Request:
         self.cache_epoch = 0
         self.num_cached_tokens = -1
         self.status = RequestStatus.WAITING
+        self.stop_detector = stop_detector  # decodes the output when it has stop strings
+        self.pin_on_sync_abort = pin_on_sync_abort  # keep its KV for a migration peer when a sync aborts it
         self.generator: torch.Generator | None = None
         if sampling.seed is not None:
             self.generator = torch.Generator(device="cpu").manual_seed(sampling.seed)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from psrl.engine.errors import InvalidSamplingError
 
 _GREEDY_EPS = 1e-5
+MAX_TEMPERATURE = 2.0  # vLLM refuses hotter sampling
+MAX_N = 16384  # vLLM's default cap on parallel samples (VLLM_MAX_N_SEQUENCES)
 
 
 @dataclass(frozen=True)
@@ -21,19 +23,31 @@ class SamplingOptions:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None  # None = none, 0 = sampled token only, k > 0 = plus top-k alternatives
+    n: int = 1  # parallel samples of one prompt (AsyncEngine.generate runs each as a request of its own)
+    stop: tuple[str, ...] = ()  # stop strings, matched in the decoded output text (the engine needs a tokenizer)
+    include_stop_str_in_output: bool = False  # only changes the text (the router's cut), never the ids
+    skip_special_tokens: bool = True  # how the output is decoded for stop strings
 
     def __post_init__(self) -> None:
-        if not isinstance(self.stop_token_ids, tuple):
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.stop, str):  # one stop string, as vLLM takes it
+            object.__setattr__(self, "stop", (self.stop,))
+        for name in ("stop_token_ids", "stop"):
+            if not isinstance(getattr(self, name), tuple):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
     def greedy(self) -> bool:
         # vLLM treats temperatures below 1e-5 as greedy too (dividing by them only overflows).
         return self.temperature < _GREEDY_EPS
 
+    def for_choice(self, index: int) -> SamplingOptions:
+        """The options of choice `index` of an n > 1 request, as vLLM's parallel sampling derives them: one
+        sample each, and a seeded request's choices seeded `seed + index` (so they differ, reproducibly)."""
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
+
     def validate(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise InvalidSamplingError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise InvalidSamplingError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise InvalidSamplingError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
@@ -46,6 +60,12 @@ class SamplingOptions:
             raise InvalidSamplingError(f"seed must be an integer or None, got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise InvalidSamplingError(f"logprobs must be None or >= 0, got {self.logprobs!r}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise InvalidSamplingError(f"n must be in [1, {MAX_N}], got {self.n!r}")
+        if self.n > 1 and self.greedy:  # vLLM's rule: the choices could only be copies of each other
+            raise InvalidSamplingError(f"n must be 1 when using greedy sampling, got {self.n}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidSamplingError(f"stop cannot contain an empty string (or a non-string), got {self.stop}")
 
 
 @dataclass

@@ -110,6 +110,18 @@ def test_eos_stops_unless_ignored() -> None:
     assert ignored.token_ids == ref and ignored.finish_reason == "length"
 
 
+def test_the_models_other_eos_ids_are_reported_like_stop_tokens() -> None:
+    # vLLM stops on the tokenizer's EOS unreported and turns the model's other EOS ids into stop token ids.
+    (p,) = prompts([7])
+    ref = _reference_tokens(p)
+    primary, other = 1000, ref[4]  # an EOS the model never samples, then one it does
+    out = run(make_engine(eos_token_ids=(primary, other)), {"r": (p, greedy(20))})["r"]
+    assert out.token_ids == ref[: ref.index(other) + 1]
+    assert out.finish_reason == "stop" and out.matched_stop_token_id == other
+    ignored = run(make_engine(eos_token_ids=(primary, other)), {"r": (p, greedy(20, ignore_eos=True))})["r"]
+    assert ignored.token_ids == ref and ignored.finish_reason == "length"
+
+
 def test_max_tokens_and_max_model_len_finish_with_length() -> None:
     engine = make_engine()
     out = run(engine, {"r": (prompts([4])[0], greedy(7))})["r"]
@@ -120,6 +132,9 @@ def test_max_tokens_and_max_model_len_finish_with_length() -> None:
     out = run(short, {"r": (prompts([30])[0], SamplingOptions(temperature=0.0, max_tokens=None))})["r"]
     assert len(out.token_ids) == 10 and out.finish_reason == "length"
     assert out.last is not None and out.last.num_prompt_tokens == 30 and out.last.num_cached_tokens == 0
+    # Like vLLM, a max_tokens past max_model_len is no error: the request ends at the model length.
+    out = run(short, {"past": (prompts([30])[0], greedy(100))})["past"]
+    assert len(out.token_ids) == 10 and out.finish_reason == "length"
 
 
 def test_abort_mid_run_emits_abort_and_frees_blocks() -> None:
@@ -202,7 +217,7 @@ def test_validation_errors() -> None:
     with pytest.raises(TokenOutOfRangeError):
         engine.add_request("a", [-1], greedy())
     with pytest.raises(MaxModelLenExceededError, match="max_model_len 64"):
-        engine.add_request("a", [1] * 20, SamplingOptions(max_tokens=45))
+        engine.add_request("a", [1] * 64, SamplingOptions(max_tokens=1))
     with pytest.raises(MaxModelLenExceededError):
         engine.add_request("a", [1] * 64, SamplingOptions(max_tokens=None))
     with pytest.raises(KVCacheTooSmallError, match="32"):
@@ -211,6 +226,18 @@ def test_validation_errors() -> None:
         engine.add_request("a", [1] * 33, SamplingOptions(max_tokens=None))
     with pytest.raises(InvalidSamplingError):
         engine.add_request("a", [1], SamplingOptions(top_p=0))
+    # vLLM's limits: temperature, log-probs per token, stop ids in the vocabulary; n > 1 is AsyncEngine's.
+    bad = {
+        "temperature": SamplingOptions(temperature=2.5),
+        "max allowed: 20": SamplingOptions(logprobs=21),
+        "out-of-vocab": SamplingOptions(stop_token_ids=(5, 256)),
+        "AsyncEngine": SamplingOptions(n=2),
+        "greedy": SamplingOptions(temperature=0.0, n=2),
+        "n must be": SamplingOptions(n=0),
+    }
+    for match, sampling in bad.items():
+        with pytest.raises(InvalidSamplingError, match=match):
+            engine.add_request("a", [1], sampling)
     engine.add_request("a", [1, 2], greedy())
     with pytest.raises(DuplicateRequestError):
         engine.add_request("a", [1, 2], greedy())
