@@ -287,9 +287,9 @@ class KvTransferParams:
     timeout_ms: int = 5000
 
     @classmethod
-    def from_json(cls, raw: str) -> KvTransferParams:
+    def from_dict(cls, data: dict[str, Any]) -> KvTransferParams:
+        """From the JSON object (the servicer parses the JSON: vLLM's rules for the field come first)."""
         try:
-            data = json.loads(raw)
             source = data["source"]
             params = cls(
                 source_target=str(source["target"]),
@@ -300,11 +300,11 @@ class KvTransferParams:
                 timeout_ms=int(data.get("timeout_ms", 5000)),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"invalid kv_transfer_params_json: {e}") from None
+            raise ValueError(f"Invalid kv_transfer_params_json: {e}") from None
         if params.mode not in TRANSFER_MODES:
-            raise ValueError(f"invalid kv_transfer_params_json: mode {params.mode!r} is not one of {TRANSFER_MODES}")
+            raise ValueError(f"Invalid kv_transfer_params_json: mode {params.mode!r} is not one of {TRANSFER_MODES}")
         if params.timeout_ms <= 0 or params.num_tokens < 0:
-            raise ValueError("invalid kv_transfer_params_json: timeout_ms must be > 0 and num_tokens >= 0")
+            raise ValueError("Invalid kv_transfer_params_json: timeout_ms must be > 0 and num_tokens >= 0")
         return params
 
 

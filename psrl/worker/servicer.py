@@ -4,6 +4,14 @@ Streaming: every engine step's delta becomes a chunk (new ids, their log-probs);
 gets a complete frame carrying only the last delta, so the router accumulates chunks and uses the complete
 frame's ids only when no chunk came. An abort while streaming therefore ends with an empty chunk and an
 empty "abort" complete frame. Without streaming, one complete frame carries every id produced so far.
+With n > 1 every frame carries its choice's `index`: streamed, the choices' chunks interleave and each choice
+gets its complete frame when it finishes; without streaming, one complete frame per choice, in index order,
+once all of them finished. A stop string ends a request with "stop" and `matched_stop_str`; its ids run up
+to the token that completed the match (the router cuts the text).
+
+Requests are read as the stock servicer and vLLM read them, and refused (INVALID_ARGUMENT) where vLLM refuses
+them, plus what the reference engine does not implement (structured output, prompt log-probs, logit bias,
+min_tokens, min_p and the penalties): refused rather than silently ignored.
 
 Admission: while a weight sync paused the replica or failed (psrl.worker.control), a new Generate is not an
 error: like smg-grpc-servicer with admission closed, it gets one complete frame with finish_reason "abort"
@@ -26,7 +34,7 @@ import logging
 import time
 import zipfile
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -71,14 +79,14 @@ SNAPSHOT_EVENTS_PER_BATCH = 256  # a big cache's snapshot goes out as several Kv
 _MERGED_UPDATES = 8  # per rank: past this the rank's own queue fills, and overflows if the client stalls
 
 
-def sampling_from_proto(params: vllm_engine_pb2.SamplingParams) -> SamplingOptions:
-    """vLLM's reading of the proto: unset temperature is 1.0, top_p 0 means 1, top_k 0 means off."""
-    if params.n > 1:
-        raise ValueError("n > 1 is not supported by the reference replica; send n separate requests")
-    if params.stop:
-        raise ValueError("stop strings are not supported by the reference replica; use stop_token_ids")
-    if params.WhichOneof("constraint"):
-        raise ValueError("structured output constraints are not supported by the reference replica")
+def sampling_from_proto(params: vllm_engine_pb2.SamplingParams, vocab_size: int) -> SamplingOptions:
+    """The stock servicer's and vLLM's reading of the proto: unset temperature is 1.0, top_p 0 means 1, top_k 0
+    means off, n 0 means 1, seed -1 means none, logprobs -1 means the whole vocabulary, and special tokens are
+    decoded (for stop strings) unless skip_special_tokens. The engine refuses values out of range."""
+    unsupported = _unsupported(params)
+    if unsupported is not None:
+        raise ValueError(f"{unsupported} is not supported by the reference replica")
+    logprobs = params.logprobs if params.HasField("logprobs") else None
     return SamplingOptions(
         temperature=params.temperature if params.HasField("temperature") else 1.0,
         top_p=params.top_p if params.top_p != 0.0 else 1.0,
@@ -86,9 +94,33 @@ def sampling_from_proto(params: vllm_engine_pb2.SamplingParams) -> SamplingOptio
         max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
         stop_token_ids=tuple(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
-        seed=params.seed if params.HasField("seed") else None,
-        logprobs=params.logprobs if params.HasField("logprobs") else None,
+        seed=params.seed if params.HasField("seed") and params.seed != -1 else None,
+        logprobs=vocab_size if logprobs == -1 else logprobs,
+        n=params.n or 1,
+        stop=tuple(params.stop),
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        skip_special_tokens=params.skip_special_tokens,
     )
+
+
+def _unsupported(params: vllm_engine_pb2.SamplingParams) -> str | None:
+    """The first setting the reference engine cannot honour, which vLLM would; None when there is none.
+    (truncate_prompt_tokens is not here: vLLM ignores it for tokenized input too.)"""
+    if params.WhichOneof("constraint"):
+        return "structured output (a constraint)"
+    if params.HasField("prompt_logprobs"):
+        return "prompt_logprobs"
+    if params.logit_bias:
+        return "logit_bias"
+    if params.min_tokens:
+        return "min_tokens"
+    if params.min_p:
+        return "min_p"
+    if params.frequency_penalty or params.presence_penalty:
+        return "frequency_penalty / presence_penalty"
+    if params.repetition_penalty not in (0.0, 1.0):  # 0 is the proto's unset: 1, no penalty
+        return "repetition_penalty"
+    return None
 
 
 def _output_logprobs(out: RequestOutput, with_top: bool) -> vllm_engine_pb2.OutputLogProbs | None:
@@ -106,13 +138,14 @@ def _output_logprobs(out: RequestOutput, with_top: bool) -> vllm_engine_pb2.Outp
 
 
 class _Accumulated:
-    """Everything a non-streamed request produced, for its single complete frame."""
+    """Everything one choice of a non-streamed request produced, for its complete frame."""
 
     def __init__(self) -> None:
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.top: list[list[tuple[int, float]]] = []
         self.has_logprobs = False
+        self.last: RequestOutput | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.ids.extend(out.new_token_ids)
@@ -121,18 +154,16 @@ class _Accumulated:
             self.logprobs.extend(out.new_logprobs)
         if out.new_top_logprobs is not None:
             self.top.extend(out.new_top_logprobs)
+        self.last = out
 
-    def as_output(self, last: RequestOutput) -> RequestOutput:
-        return RequestOutput(
-            request_id=last.request_id,
+    def as_output(self) -> RequestOutput:
+        """The choice's finished output with every id it produced."""
+        assert self.last is not None and self.last.finished  # a request stream ends only once each choice did
+        return replace(
+            self.last,
             new_token_ids=self.ids,
             new_logprobs=self.logprobs if self.has_logprobs else None,
             new_top_logprobs=self.top if self.top else None,
-            finish_reason=last.finish_reason,
-            matched_stop_token_id=last.matched_stop_token_id,
-            num_prompt_tokens=last.num_prompt_tokens,
-            num_cached_tokens=last.num_cached_tokens,
-            num_output_tokens=last.num_output_tokens,
         )
 
 
@@ -149,7 +180,11 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if not engines:
             raise ValueError("at least one engine is required")
         self.engines = engines
-        self.kv_puller = kv_puller  # None: kv_transfer_params_json is ignored (the request is prefilled)
+        for engine in engines:
+            # The engines serve this model folder, so its tokenizer is theirs: stop strings need it.
+            if engine.engine.tokenizer is None:
+                engine.engine.tokenizer = folder.tokenizer
+        self.kv_puller = kv_puller  # None: kv_transfer_params_json is checked, then ignored (the request is prefilled)
         self._kv_pulls: set[asyncio.Task[None]] = set()
         self.folder = folder
         self.served_model_name = served_model_name
@@ -164,7 +199,7 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if request.HasField("data_parallel_rank"):
             rank = request.data_parallel_rank
             if not 0 <= rank < len(self.engines):
-                raise _InvalidArgument(f"data_parallel_rank {rank} is out of range for dp_size {len(self.engines)}")
+                raise _InvalidArgument(f"data_parallel_rank {rank} is out of range [0, {len(self.engines)}).")
             return rank
         # Unpinned: the least busy rank, as vLLM's DP coordinator balances internally.
         loads = [e.stats() for e in self.engines]
@@ -188,15 +223,19 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 raise _InvalidArgument("request_id is required")
             if request_id in self._rank_of:
                 raise _InvalidArgument(f"request_id {request_id!r} is already running")
-            rank = self._pick_rank(request)
-            sampling = sampling_from_proto(request.sampling_params)
-            prompt = self._prompt_ids(request)
+            # The stock servicer's order: KV-transfer params, prompt, sampling, then the rank.
             kv_params = self._kv_params(request)
+            prompt = self._prompt_ids(request)
+            sampling = sampling_from_proto(request.sampling_params, self.folder.model_config.vocab_size)
+            rank = self._pick_rank(request)
             with_top = bool(sampling.logprobs)
             engine = self.engines[rank]
+            moved = _KvMoved()
+            report = None if kv_params is None else moved
+            if sampling.n > 1:
+                kv_params = None  # KV migration moves whole requests: the choices of an n > 1 one are prefilled
             preloaded: PreloadedKV | None = None
             pending = kv_params is not None and kv_params.mode == "async"
-            moved = _KvMoved()
             if kv_params is not None and not pending and engine.admission_closed_reason is None:
                 assert self.kv_puller is not None
                 preloaded = await self.kv_puller.pull(engine, rank, prompt, kv_params)
@@ -220,19 +259,19 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             # Tell the router the request is admitted, so a death from here on reads as mid-request (502)
             # even when no frame has come yet (non-streamed calls).
             await context.send_initial_metadata(((ACCEPTED_METADATA_KEY, "1"),))
-            report = None if kv_params is None else moved
             try:
-                acc = None if request.stream else _Accumulated()
-                async for out in stream:
-                    if acc is None:
+                if request.stream:
+                    async for out in stream:
                         yield vllm_engine_pb2.GenerateResponse(chunk=self._chunk(out, with_top))
                         if out.finished:
                             yield vllm_engine_pb2.GenerateResponse(complete=self._complete(out, with_top, report))
-                    else:
-                        acc.add(out)
-                        if out.finished:
-                            full = acc.as_output(out)
-                            yield vllm_engine_pb2.GenerateResponse(complete=self._complete(full, with_top, report))
+                else:
+                    choices = [_Accumulated() for _ in range(sampling.n)]
+                    async for out in stream:
+                        choices[out.index].add(out)
+                    for choice in choices:
+                        full = choice.as_output()
+                        yield vllm_engine_pb2.GenerateResponse(complete=self._complete(full, with_top, report))
             finally:
                 self._rank_of.pop(request_id, None)
         except _InvalidArgument as e:
@@ -242,10 +281,20 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     def _kv_params(self, request: vllm_engine_pb2.GenerateRequest) -> KvTransferParams | None:
-        if not request.kv_transfer_params_json or self.kv_puller is None:
+        """Where the request's KV is. Like vLLM, a kv_transfer_params_json that is present must be a JSON object
+        whether or not it is used; an empty one, or any while KV migration is off, asks for nothing."""
+        if not request.HasField("kv_transfer_params_json"):
             return None
         try:
-            return KvTransferParams.from_json(request.kv_transfer_params_json)
+            data = json.loads(request.kv_transfer_params_json)
+        except json.JSONDecodeError as e:
+            raise _InvalidArgument(f"Invalid kv_transfer_params_json: {e}") from None
+        if not isinstance(data, dict):  # vLLM's words, behind the prefix every refusal of this field has here
+            raise _InvalidArgument("Invalid kv_transfer_params_json: kv_transfer_params_json must be a JSON object")
+        if not data or self.kv_puller is None:
+            return None
+        try:
+            return KvTransferParams.from_dict(data)
         except ValueError as e:
             raise _InvalidArgument(str(e)) from None
 
@@ -284,6 +333,7 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             completion_tokens=len(out.new_token_ids),
             cached_tokens=out.num_cached_tokens,
             output_logprobs=_output_logprobs(out, with_top),
+            index=out.index,
         )
 
     @staticmethod
@@ -293,6 +343,8 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         extra: dict[str, Any] = {}
         if out.matched_stop_token_id is not None:
             extra["matched_token_id"] = out.matched_stop_token_id
+        elif out.matched_stop_str is not None:
+            extra["matched_stop_str"] = out.matched_stop_str
         if kv_moved is not None:
             extra["kv_transfer_params_json"] = kv_moved.report()
         return vllm_engine_pb2.GenerateComplete(
@@ -302,6 +354,7 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             completion_tokens=len(out.new_token_ids),
             cached_tokens=out.num_cached_tokens,
             output_logprobs=_output_logprobs(out, with_top),
+            index=out.index,
             **extra,
         )
 
@@ -316,10 +369,17 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 await self.engines[rank].abort(request_id)
         return vllm_engine_pb2.AbortResponse()
 
+    def _dead_ranks(self) -> list[int]:
+        return [rank for rank, e in enumerate(self.engines) if not e.is_alive()]
+
+    async def healthy(self) -> bool:
+        """Whether every rank's engine lives (the probe of the standard health service, grpc_services.py)."""
+        return not self._dead_ranks()
+
     async def HealthCheck(
         self, request: vllm_engine_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
     ) -> vllm_engine_pb2.HealthCheckResponse:
-        dead = [rank for rank, e in enumerate(self.engines) if not e.is_alive()]
+        dead = self._dead_ranks()
         if dead:
             return vllm_engine_pb2.HealthCheckResponse(healthy=False, message=f"engine ranks {dead} died")
         return vllm_engine_pb2.HealthCheckResponse(healthy=True, message="Health")

@@ -144,19 +144,19 @@ async def test_pull_moves_the_pinned_prefix_and_falls_back_when_the_source_is_go
 
 
 @pytest.mark.parametrize(
-    "raw",
+    "data",
     [
-        "not json",
-        "{}",
-        json.dumps({"source": {"target": "h:1"}, "request_id": "r", "mode": "eventually"}),
-        json.dumps({"source": {"target": "h:1"}, "request_id": "r", "timeout_ms": 0}),
+        {},
+        {"source": "h:1", "request_id": "r"},
+        {"source": {"target": "h:1"}, "request_id": "r", "mode": "eventually"},
+        {"source": {"target": "h:1"}, "request_id": "r", "timeout_ms": 0},
     ],
 )
-def test_bad_transfer_params_are_a_clear_error(raw: str) -> None:
-    with pytest.raises(ValueError, match="kv_transfer_params_json"):
-        KvTransferParams.from_json(raw)
+def test_bad_transfer_params_are_a_clear_error(data: dict) -> None:
+    with pytest.raises(ValueError, match=r"^Invalid kv_transfer_params_json"):
+        KvTransferParams.from_dict(data)
     good = {"source": {"target": "h:1", "dp_rank": 2}, "request_id": "r", "num_tokens": 7, "mode": "pin_sync"}
-    assert KvTransferParams.from_json(json.dumps(good)) == KvTransferParams("h:1", 2, "r", 7, "pin_sync", 5000)
+    assert KvTransferParams.from_dict(good) == KvTransferParams("h:1", 2, "r", 7, "pin_sync", 5000)
 
 
 def test_segments_of_dead_processes_are_removed(tmp_path) -> None:
