@@ -24,6 +24,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 from psrl._proto import kv_migration_pb2_grpc, replica_control_pb2_grpc
 from psrl.engine import AsyncEngine, CacheConfig, Engine
 from psrl.worker.control import ReplicaControlServicer
+from psrl.worker.grpc_services import add_health_and_reflection
 from psrl.worker.kv_migration import KvMigrationServicer, KvPuller
 from psrl.worker.model_folder import build_tiny_model_folder, load_model_folder
 from psrl.worker.registration import register_with_router, registration_body, wait_until_healthy
@@ -149,6 +150,7 @@ async def serve(args: WorkerArgs) -> None:
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
     replica_control_pb2_grpc.add_ReplicaControlServicer_to_server(ReplicaControlServicer(engines), server)
     kv_migration_pb2_grpc.add_KvMigrationServicer_to_server(migration, server)
+    add_health_and_reflection(server, servicer.healthy)
     await server.start()
     migration.start()
     # One parseable line for launchers that passed --port 0.

@@ -248,3 +248,19 @@ async def test_n_with_kv_transfer_params_is_prefilled(channel, stub) -> None:
     assert [json.loads(f.complete.kv_transfer_params_json) for f in frames] == [{"moved_tokens": 0}] * 2
     after = await migration.GetKvMigrationStats(kv_migration_pb2.GetKvMigrationStatsRequest(data_parallel_rank=0))
     assert after.fallbacks == before.fallbacks and after.transfers_in == before.transfers_in  # no pull was tried
+
+
+async def test_without_kv_migration_the_field_is_still_checked_then_ignored(inproc_replica) -> None:
+    async with grpc.aio.insecure_channel(inproc_replica.target) as ch:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(ch)
+        for raw in ("", "null", "[]"):
+            req = _req("kv-off-bad")
+            req.kv_transfer_params_json = raw
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _frames(stub, req)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert (err.value.details() or "").startswith("Invalid kv_transfer_params_json"), raw
+        req = _req("kv-off")
+        req.kv_transfer_params_json = json.dumps({"source": {"target": "h:1"}, "request_id": "r", "mode": "sync"})
+        (frame,) = await _frames(stub, req)
+        assert frame.complete.finish_reason == "length" and not frame.complete.HasField("kv_transfer_params_json")

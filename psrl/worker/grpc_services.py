@@ -1,0 +1,89 @@
+"""The standard services a replica's gRPC server carries beside its own, as vLLM's grpc_server serves them:
+`grpc.health.v1.Health` (for Kubernetes probes and grpc_health_probe) and server reflection (for grpcurl).
+
+Health answers two names: "" (the whole server, liveness) and `vllm.grpc.engine.VllmEngine` (readiness),
+SERVING while the replica's probe says its engine is healthy and NOT_SERVING otherwise or once
+`set_not_serving()` was called (shutdown). Any other name is unknown: Check fails with NOT_FOUND, Watch sends
+SERVICE_UNKNOWN. Like smg-grpc-servicer's health service, Watch sends the current status once and ends.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto.generated import vllm_engine_pb2
+
+from psrl._proto import kv_migration_pb2, replica_control_pb2
+
+logger = logging.getLogger(__name__)
+
+VLLM_ENGINE_SERVICE = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+# What a replica serves besides the standard services, either kind: VllmEngine, its ReplicaControl, KvMigration.
+REPLICA_SERVICES = (
+    VLLM_ENGINE_SERVICE,
+    replica_control_pb2.DESCRIPTOR.services_by_name["ReplicaControl"].full_name,
+    kv_migration_pb2.DESCRIPTOR.services_by_name["KvMigration"].full_name,
+)
+
+HealthProbe = Callable[[], Awaitable[bool]]  # True while the engine is healthy; raising counts as unhealthy
+
+
+class ReplicaHealthServicer(health_pb2_grpc.HealthServicer):
+    def __init__(self, probe: HealthProbe) -> None:
+        self._probe = probe
+        self._shutting_down = False
+        self._failure_logged = False
+
+    def set_not_serving(self) -> None:
+        """From now on every service answers NOT_SERVING (call it before stopping the server)."""
+        self._shutting_down = True
+
+    async def _status(self, service: str) -> health_pb2.HealthCheckResponse.ServingStatus.ValueType | None:
+        """None for a name this server does not know."""
+        if service not in ("", VLLM_ENGINE_SERVICE):
+            return None
+        if self._shutting_down:
+            return health_pb2.HealthCheckResponse.NOT_SERVING
+        try:
+            healthy = await self._probe()
+        except Exception:
+            healthy = False
+            if not self._failure_logged:  # probes come every few seconds: the first failure is the one to read
+                self._failure_logged = True
+                logger.exception("the health probe failed")
+        return health_pb2.HealthCheckResponse.SERVING if healthy else health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        status = await self._status(request.service)
+        if status is None:
+            context.set_code(grpc.StatusCode.NOT_FOUND)
+            context.set_details(f"Unknown service: {request.service}")
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+        status = await self._status(request.service)
+        # An unknown name is a status here, not an error code: a code would fail the stream.
+        yield health_pb2.HealthCheckResponse(
+            status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN if status is None else status
+        )
+
+
+def add_health_and_reflection(
+    server: grpc.aio.Server, probe: HealthProbe, services: Iterable[str] = REPLICA_SERVICES
+) -> ReplicaHealthServicer:
+    """Serve Health on `server`, and reflection listing `services` (full names of what it serves), Health and
+    reflection itself. Returns the health servicer, for `set_not_serving()` at shutdown."""
+    health = ReplicaHealthServicer(probe)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection((*services, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+    return health
