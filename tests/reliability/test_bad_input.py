@@ -73,11 +73,6 @@ def test_token_outside_vocabulary_is_400(router) -> None:
     _error(_post(router, "/generate", json={"input_ids": [1, 10**7]}), 400, "vocab")
 
 
-def test_stop_strings_refused_by_the_replica_are_400(router) -> None:
-    r = _post(router, "/v1/chat/completions", json={"messages": MSG, "stop": ["\n"], "max_tokens": 3})
-    _error(r, 400, "stop strings")
-
-
 def test_worker_registration_errors(router) -> None:
     r = httpx.post(f"{router.url}/workers", json={"url": "ftp://nope:1"}, timeout=10)
     _error(r, 400, "grpc://host:port")
