@@ -33,6 +33,7 @@ import torch
 
 from psrl.engine.engine import Engine, EngineStats
 from psrl.engine.errors import (
+    AdmissionClosedError,
     DuplicateRequestError,
     EngineDeadError,
     EngineStepError,
@@ -207,10 +208,16 @@ class AsyncEngine:
         """
         if self._shutdown or not self._thread.is_alive():
             raise EngineDeadError("the engine is shut down")
-        sampling.validate()
         n = sampling.n
-        if n > 1 and (preloaded is not None or kv_pending):
-            raise InvalidRequestError(f"request {request_id!r}: migrated KV is for n == 1 requests, not n = {n}")
+        if n > 1:
+            # What only the whole request can tell (n itself), checked after admission as Engine.add_request
+            # checks the rest: a paused engine refuses before it validates anything.
+            closed = self.engine.admission_closed_reason
+            if closed is not None:
+                raise AdmissionClosedError(closed)
+            sampling.validate()
+            if preloaded is not None or kv_pending:
+                raise InvalidRequestError(f"request {request_id!r}: migrated KV is for n == 1 requests, not n = {n}")
         engine_ids = [request_id] if n == 1 else [choice_request_id(request_id, i) for i in range(n)]
         loop = asyncio.get_running_loop()
         stream = RequestStream(self, request_id, engine_ids)

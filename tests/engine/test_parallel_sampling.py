@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from psrl.engine import (
+    AdmissionClosedError,
     AsyncEngine,
     DuplicateRequestError,
     InvalidRequestError,
@@ -75,6 +76,10 @@ async def test_leaving_the_stream_aborts_every_choice(aengine: AsyncEngine) -> N
 
 async def test_refusals(aengine: AsyncEngine) -> None:
     (p,) = prompts([6])
+    aengine.close_admission("syncing")
+    with pytest.raises(AdmissionClosedError):  # before validation, as for n == 1
+        aengine.generate("g", p, SamplingOptions(temperature=0.0, n=2))
+    aengine.resume()
     with pytest.raises(InvalidSamplingError, match="greedy"):
         aengine.generate("g", p, SamplingOptions(temperature=0.0, n=2))
     with pytest.raises(InvalidRequestError, match="migrated KV"):
