@@ -147,7 +147,10 @@ def message_id_of(chat_id: str) -> str:
     return chat_id.replace("chatcmpl", "msg", 1) or f"msg_{uuid.uuid4().hex}"
 
 
-def stop_reason_of(finish_reason: str | None) -> str:
+def stop_reason_of(finish_reason: str | None, stop_sequence: str | None = None) -> str:
+    """The Messages stop reason of a chat finish reason (`stop_sequence`: the stop string it stopped at)."""
+    if stop_sequence is not None and finish_reason == "stop":
+        return "stop_sequence"
     return _STOP_REASONS.get(finish_reason or "stop", "end_turn")
 
 
@@ -179,7 +182,9 @@ def chat_to_message(completion: dict[str, Any]) -> dict[str, Any]:
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
         stream.tool_use(call.get("id"), function.get("name"), tool_input_of(function.get("arguments")))
-    stream.finish(stop_reason_of(choice.get("finish_reason")), usage)
+    # vLLM's `stop_reason` on a choice: the stop string (or stop token id) it stopped at
+    stop_sequence = choice.get("stop_reason") if isinstance(choice.get("stop_reason"), str) else None
+    stream.finish(stop_reason_of(choice.get("finish_reason"), stop_sequence), usage, stop_sequence)
     return stream.message
 
 
@@ -238,13 +243,15 @@ class MessageStream:
         frames.append(self._frame("content_block_stop", index=index))
         return frames
 
-    def finish(self, stop_reason: str, usage: dict[str, Any]) -> list[str]:
-        """Close the open block and end with the stop reason and the final usage (see message_usage: a stream
-        starts before the prompt's cached tokens are known, so message_delta carries all of it)."""
+    def finish(self, stop_reason: str, usage: dict[str, Any], stop_sequence: str | None = None) -> list[str]:
+        """Close the open block and end with the stop reason (and the stop sequence it matched) and the final
+        usage (see message_usage: a stream starts before the prompt's cached tokens are known, so message_delta
+        carries all of it)."""
         frames = self._close()
         self.message["stop_reason"] = stop_reason
+        self.message["stop_sequence"] = stop_sequence
         self.message["usage"] = {**self.message["usage"], **usage}
-        stop = {"stop_reason": stop_reason, "stop_sequence": None}
+        stop = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
         frames.append(self._frame("message_delta", delta=stop, usage=usage))
         frames.append(self._frame("message_stop"))
         return frames
@@ -257,7 +264,8 @@ class MessageStream:
 
 def message_sse_events(message: dict[str, Any]) -> list[str]:
     """Anthropic's stream for a finished message (see MessageStream)."""
-    stream = MessageStream({**message, "stop_reason": None, "usage": {**message["usage"], "output_tokens": 0}})
+    start = {**message, "stop_reason": None, "stop_sequence": None, "usage": {**message["usage"], "output_tokens": 0}}
+    stream = MessageStream(start)
     frames = stream.start()
     for block in message["content"]:
         if block["type"] == "text":
@@ -266,5 +274,5 @@ def message_sse_events(message: dict[str, Any]) -> list[str]:
             frames += stream.thinking(block["thinking"])
         else:
             frames += stream.tool_use(block.get("id"), block.get("name"), block.get("input") or {})
-    frames += stream.finish(message["stop_reason"], message["usage"])
+    frames += stream.finish(message["stop_reason"], message["usage"], message.get("stop_sequence"))
     return frames

@@ -40,8 +40,11 @@ from psrl.router.pipeline.context import Generation, GenerationInput
 from psrl.router.pipeline.execute import Delta
 from psrl.router.pipeline.prepare import chat_prompt_ids, new_request_id, text_prompt_ids
 from psrl.router.pipeline.select import resolve_model
+from psrl.router.pipeline.stops import StreamedText, output_text
 from psrl.router.pipeline.stream import (
     ApiWriter,
+    ChatChoice,
+    CompletionChoice,
     MessagesWriter,
     ResponsesWriter,
     StreamStart,
@@ -57,7 +60,7 @@ from psrl.router.selector import AdmissionHook, PassThroughAdmission, Selector, 
 from psrl.router.tito_bridge import TitoBridge
 from psrl.router.tokenizers import TokenizerStore
 from psrl.router.worker_client import WorkerClients
-from psrl.tokenizer import IncrementalDecoder, Tokenizer
+from psrl.tokenizer import Tokenizer
 
 logger = logging.getLogger("psrl.router")
 _NO_TOOL_PARSER = NoToolParser()
@@ -116,6 +119,7 @@ class RouterApp:
             self.loop,
             self.clients,
             self.metrics,
+            self.tokenizers,
             request_timeout_s=config.request_timeout_s,
             partial_rollout=config.enable_partial_rollout,
             max_iterations=config.max_rollout_iterations,
@@ -475,8 +479,7 @@ class RouterApp:
         return Response(b"", 204)
 
     def _parse_output(self, chat: P.ChatRequest, tok: Tokenizer, gen: Generation) -> ParsedOutput:
-        out_text = tok.decode(gen.output_ids, skip_special_tokens=chat.sampling.skip_special_tokens)
-        return self._tool_parser(chat).parse(out_text)
+        return self._tool_parser(chat).parse(output_text(tok, gen, chat.sampling))
 
     def _tool_parser(self, chat: P.ChatRequest) -> ToolCallParser:
         # Tool calls are parsed out only when the request offered tools, as vLLM does with a parser enabled.
@@ -493,6 +496,8 @@ class RouterApp:
                 "builds SSE from the buffered result)",
                 param="stream",
             )
+        if chat.sampling.n > 1:
+            raise BadRequest("a TITO turn records one reply; send n=1 (one trajectory per sample)", param="n")
         prepared = await self.tito.prepare(turn[0], turn[1], chat)
         if chat.sampling.logprobs is None:
             chat.sampling.logprobs = 0
@@ -501,7 +506,7 @@ class RouterApp:
                 self.dispatcher, model, meta, GenerationInput(rid, prepared.prompt_ids, chat.sampling, False)
             )
             ticket = await rollout.start()
-            gen = await rollout.collect()
+            [gen] = await rollout.collect()
         except BaseException:
             await self.tito.abandon(prepared)
             raise
@@ -514,7 +519,7 @@ class RouterApp:
             output_logprobs=gen.logprobs,
             finish_reason=gen.finish_reason,
             weight_version=last.instance.weight_version,
-            token_versions=rollout.state.token_versions,
+            token_versions=rollout.states[0].token_versions,
             instance=(last.instance.id.base_worker_id, last.instance.id.dp_rank),
             assistant_message={"role": "assistant", "content": output.content, "tool_calls": output.tool_calls},
         )
@@ -581,14 +586,18 @@ class RouterApp:
         created = int(time.time())
         if turn is not None:
             ticket, gen, output = await self._tito_chat(turn, chat, model, meta, rid, tok)
+            gens, outputs = [gen], [output]
         else:
             prompt = await chat_prompt_ids(chat, tok)
             rollout = Rollout(self.dispatcher, model, meta, GenerationInput(rid, prompt, chat.sampling, False))
             ticket = await rollout.start()
-            gen = await rollout.collect()
-            output = self._parse_output(chat, tok, gen)
-        logprobs = R.chat_logprobs(tok, gen.output_ids, gen.logprobs, gen.top_logprobs) if chat.logprobs else None
-        out = R.chat_completion(request_id=rid, created=created, model=model, output=output, gen=gen, logprobs=logprobs)
+            gens = await rollout.collect()
+            outputs = [self._parse_output(chat, tok, g) for g in gens]
+        choices = []
+        for i, (gen, output) in enumerate(zip(gens, outputs, strict=True)):
+            lps = R.chat_logprobs(tok, gen.output_ids, gen.logprobs, gen.top_logprobs) if chat.logprobs else None
+            choices.append(R.chat_choice(i, output, gen, lps))
+        out = R.chat_completion(request_id=rid, created=created, model=model, choices=choices, gens=gens)
         return ticket, out
 
     async def _converted_chat(
@@ -615,10 +624,10 @@ class RouterApp:
                 chat_lps = R.chat_logprobs(tok, d.token_ids, d.logprobs, d.top_logprobs) if lps else None
                 return None if chat_lps is None else chat_lps["content"]  # the Responses entries have this shape
 
-            start = StreamStart(body, rid, int(time.time()), model, len(rollout.state.original.prompt_ids))
+            start = StreamStart(body, rid, int(time.time()), model, len(rollout.states[0].original.prompt_ids))
             events = api_stream(
                 rollout,
-                IncrementalDecoder(tok, chat.sampling.skip_special_tokens),
+                StreamedText(tok, chat.sampling),
                 self._tool_parser(chat).stream(),
                 writer(start),
                 logprobs,
@@ -645,33 +654,12 @@ class RouterApp:
     def _chat_sse(
         self, source: Rollout, tok: Tokenizer, chat: P.ChatRequest, rid: str, created: int, model: str
     ) -> AsyncIterator[bytes]:
-        parser = self._tool_parser(chat).stream()
-        calls = 0
-
-        def choice(text: str, d: Delta | None, finish: str | None) -> list[dict[str, Any]]:
-            nonlocal calls
-            lps = R.chat_logprobs(tok, d.token_ids, d.logprobs, d.top_logprobs) if d and chat.logprobs else None
-            choices = []
-            for piece in parser.push(text) if finish is None else parser.finish(text):
-                choices.append({"index": 0, "delta": R.chat_stream_delta(piece, calls), "logprobs": None})
-                calls += piece.kind == "tool_call"
-            if lps is not None:  # every token's log-prob is sent, also of text held back or parsed into a call
-                if not choices:
-                    choices.append({"index": 0, "delta": {"content": ""}, "logprobs": None})
-                choices[0]["logprobs"] = lps
-            for ch in choices:
-                ch["finish_reason"] = None
-            if finish is not None:
-                closing = {"index": 0, "delta": {}, "logprobs": None}
-                choices.append({**closing, "finish_reason": R.chat_finish_reason(calls > 0, finish)})
-            return choices
-
+        choices = [
+            ChatChoice(i, StreamedText(tok, chat.sampling), self._tool_parser(chat).stream(), tok, chat.logprobs)
+            for i in range(chat.sampling.n)
+        ]
         envelope = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        decoder = IncrementalDecoder(tok, chat.sampling.skip_special_tokens)
-        return sse_stream(
-            source, decoder, envelope=envelope, choice=choice, opening=opening, include_usage=chat.include_usage
-        )
+        return sse_stream(source, choices, envelope=envelope, include_usage=chat.include_usage)
 
     async def completions(self, request: Request) -> AnyResponse:
         raw = await request.body()
@@ -696,35 +684,29 @@ class RouterApp:
                 "/v1/completions", request, ticket, self._completion_sse(rollout, tok, req, rid, created, model)
             )
 
-        async def one(index: int, prompt: list[int]) -> tuple[Ticket, Generation]:
+        async def one(index: int, prompt: list[int]) -> tuple[Ticket, list[Generation]]:
             sub_id = rid if len(prompts) == 1 else f"{rid}-{index}"
             rollout = Rollout(self.dispatcher, model, meta, GenerationInput(sub_id, prompt, req.sampling, False))
             ticket = await rollout.start()
             return ticket, await rollout.collect()
 
         results = await _gather_or_raise([one(i, p) for i, p in enumerate(prompts)])
-        choices = []
-        for i, (_, gen) in enumerate(results):
-            out_text = tok.decode(gen.output_ids, skip_special_tokens=req.sampling.skip_special_tokens)
-            lps = R.completion_logprobs(tok, gen.output_ids, gen.logprobs, gen.top_logprobs)
-            choices.append(R.completion_choice(i, out_text, gen, lps))
+        choices: list[dict[str, Any]] = []
+        for _, gens in results:  # prompt-major, as vLLM numbers them
+            for gen in gens:
+                lps = R.completion_logprobs(tok, gen.output_ids, gen.logprobs, gen.top_logprobs)
+                choices.append(R.completion_choice(len(choices), output_text(tok, gen, req.sampling), gen, lps))
         body_out = R.completion(
-            request_id=rid, created=created, model=model, choices=choices, gens=[g for _, g in results]
+            request_id=rid, created=created, model=model, choices=choices, prompts=[gens for _, gens in results]
         )
         return _json(body_out, headers=_instance_headers(results[0][0]))
 
     def _completion_sse(
         self, source: Rollout, tok: Tokenizer, req: P.CompletionRequest, rid: str, created: int, model: str
     ) -> AsyncIterator[bytes]:
-        def choice(text: str, d: Delta | None, finish: str | None) -> list[dict[str, Any]]:
-            lps = R.completion_logprobs(tok, d.token_ids, d.logprobs, d.top_logprobs) if d else None
-            if finish is None and not text and lps is None:
-                return []
-            return [{"index": 0, "text": text, "logprobs": lps, "finish_reason": finish}]
-
+        choices = [CompletionChoice(i, StreamedText(tok, req.sampling), tok) for i in range(req.sampling.n)]
         envelope = {"id": rid, "object": "text_completion", "created": created, "model": model}
-        decoder = IncrementalDecoder(tok, req.sampling.skip_special_tokens)
-        return sse_stream(source, decoder, envelope=envelope, choice=choice, include_usage=req.include_usage)
+        return sse_stream(source, choices, envelope=envelope, include_usage=req.include_usage)
 
     async def generate(self, request: Request) -> AnyResponse:
         body = await self._body(request)
@@ -736,30 +718,34 @@ class RouterApp:
         needs_tokenizer = detokenize or any(isinstance(p, str) for p in req.prompts)
         tok = await self.tokenizers.get(model) if needs_tokenizer else None
 
-        async def one(prompt: list[int] | str, rid: str | None) -> tuple[Ticket, dict[str, Any]]:
+        async def one(prompt: list[int] | str, rid: str | None) -> tuple[Ticket, list[dict[str, Any]]]:
             ids = await text_prompt_ids(prompt, tok) if isinstance(prompt, str) and tok else prompt
             assert isinstance(ids, list)
             rid = rid or new_request_id("gen")
             rollout = Rollout(self.dispatcher, model, meta, GenerationInput(rid, ids, req.sampling, False))
             await rollout.start()
-            gen = await rollout.collect()
+            gens = await rollout.collect()
             last = rollout.ticket
             assert last is not None
-            text = tok.decode(gen.output_ids, req.sampling.skip_special_tokens) if detokenize and tok else None
-            out = R.generate_output(
-                request_id=rid,
-                gen=gen,
-                weight_version=last.instance.weight_version,
-                prompt_ids=ids,
-                return_logprob=req.return_logprob,
-                return_prompt_token_ids=req.return_prompt_token_ids,
-                text=text,
-                token_versions=rollout.state.token_versions,
-            )
-            return last, out
+            outs = []
+            for i, (gen, state) in enumerate(zip(gens, rollout.states, strict=True)):
+                out = R.generate_output(
+                    request_id=rid if len(gens) == 1 else f"{rid}-{i}",
+                    gen=gen,
+                    weight_version=state.weight_version,
+                    prompt_ids=ids,
+                    return_logprob=req.return_logprob,
+                    return_prompt_token_ids=req.return_prompt_token_ids,
+                    text=output_text(tok, gen, req.sampling) if detokenize and tok else None,
+                    token_versions=state.token_versions,
+                )
+                outs.append(out)
+            return last, outs
 
         results = await _gather_or_raise([one(p, r) for p, r in zip(req.prompts, req.request_ids)])
-        payload: Any = [o for _, o in results] if req.batched else results[0][1]
+        # SGLang's shape: one object per prompt; n > 1 makes a flat list of every prompt's n samples, prompt-major.
+        outputs = [o for _, outs in results for o in outs]
+        payload: Any = outputs if req.batched or req.sampling.n > 1 else outputs[0]
         return _json(payload, headers=_instance_headers(results[0][0]))
 
 

@@ -25,10 +25,12 @@ from psrl.router.pipeline.context import Generation, GenerationInput
 from psrl.router.pipeline.execute import Delta, WorkerCall
 from psrl.router.pipeline.partial_rollout import RolloutState, classify
 from psrl.router.pipeline.prepare import check_prompt
+from psrl.router.pipeline.stops import StopAcrossLoopBack
 from psrl.router.policies.base import SelectionRequest
 from psrl.router.registry import InstanceId, InstanceState, WorkerRegistry
 from psrl.router.routing_loop import RoutingLoop
 from psrl.router.selector import AdmissionHook, Selector, Ticket
+from psrl.router.tokenizers import TokenizerStore
 from psrl.router.worker_client import WorkerClients
 
 logger = logging.getLogger(__name__)
@@ -76,6 +78,7 @@ class Dispatcher:
         loop: RoutingLoop | None,
         clients: WorkerClients,
         metrics: RouterMetrics,
+        tokenizers: TokenizerStore,
         *,
         request_timeout_s: float | None,
         partial_rollout: bool,
@@ -88,6 +91,7 @@ class Dispatcher:
         self.loop = loop
         self.clients = clients
         self.metrics = metrics
+        self.tokenizers = tokenizers  # a loop-back with stop strings reads its output's text
         self.request_timeout_s = request_timeout_s
         self.partial_rollout = partial_rollout
         self.max_iterations = max_iterations
@@ -178,17 +182,32 @@ class Dispatcher:
 
 class Rollout:
     """One request's life over its iterations: `start()` places it and waits for the first frame (so errors
-    are HTTP errors), then `deltas()` streams every token, across loop-backs, and `result` is the merged
-    generation. `start()` returns the first instance (a stream's headers); `ticket` is the latest."""
+    are HTTP errors), then `deltas()` streams every token of every choice, across loop-backs, and ends each
+    choice with a Delta carrying its merged generation (also in `results` afterwards). `start()` returns the
+    first instance (a stream's headers); `ticket` is the latest.
 
-    def __init__(self, dispatcher: Dispatcher, model: str, meta: RoutingMeta, gen: GenerationInput) -> None:
+    An n > 1 request is one Generate for all its choices. When a weight sync interrupts it, each unfinished
+    choice continues on its own, as an n = 1 request of its prompt plus its output (a child Rollout over that
+    choice's state, `resumed`; their deltas are merged as they come). KV moves per request (a replica pins no
+    choice's KV at an abort), so a choice's first continuation is prefilled again. A request refused as a whole
+    (nothing produced: the replica's admission was closed) is retried as it was."""
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        model: str,
+        meta: RoutingMeta,
+        gen: GenerationInput,
+        *,
+        resumed: RolloutState | None = None,
+    ) -> None:
         self._d = dispatcher
         self._model = model
         self.meta = meta
-        self.state = RolloutState(gen)
+        self.states = [resumed] if resumed is not None else [RolloutState(gen, i) for i in range(gen.sampling.n)]
         self.ticket: Ticket | None = None
         self._call: WorkerCall | None = None
-        self._last: Generation | None = None
+        self._last: list[Generation | None] = [None] * len(self.states)
         self._interrupted = 0  # aborts after producing tokens
         self._refused = 0  # consecutive aborts with nothing produced (admission closed)
         # Where the request's KV is: the instance and request id of the last iteration that ran (produced tokens
@@ -223,18 +242,80 @@ class Rollout:
                 await asyncio.sleep(0.1)
 
     async def start(self) -> Ticket:
-        self._call = await self._begin(self.state.original)
+        self._call = await self._begin(self.states[0].original)
         assert self.ticket is not None
         return self.ticket
 
-    async def deltas(self) -> AsyncIterator[Delta]:
+    def deltas(self) -> AsyncIterator[Delta]:
+        assert self._call is not None, "start() first"
+        return self._one_choice() if len(self.states) == 1 else self._choices()
+
+    def _settle(self, index: int, segment: Generation, ticket: Ticket) -> bool:
+        """Add a choice's segment: True when the choice is finished, False when it loops back."""
+        state = self.states[index]
+        state.add(segment, ticket.instance.weight_version)
+        if classify(segment, state) == "loop" and self._d.partial_rollout:
+            return False
+        if segment.finish_reason == "abort" and state.remaining_tokens == 0:
+            segment = replace(segment, finish_reason="length")  # aborted exactly at the budget
+        self._last[index] = segment
+        return True
+
+    def _closing(self, index: int) -> Delta:
+        last = self._last[index]
+        assert last is not None
+        return Delta([], None, None, index, self.states[index].merged(last))
+
+    async def _interrupted_by(self, ticket: Ticket, produced: bool) -> None:
+        """Count an interruption (or a refusal, backing off), give up past the limits, and point the next
+        iteration at the instance that aborted it (the KV-transfer source, not a pin), dropping a one-shot pin
+        and keeping the version it was pinned to as its floor."""
+        if produced:
+            self._interrupted += 1
+            self._refused = 0
+        else:
+            # Refused at admission (the replica is mid-sync): not progress, so back off instead of spinning.
+            self._refused += 1
+            await asyncio.sleep(min(0.05 * self._refused, 1.0))
+        if self._interrupted >= self._d.max_iterations or self._refused >= 10 * self._d.max_iterations:
+            raise PartialRolloutExhausted(
+                f"request interrupted {self._interrupted} times and refused {self._refused} times in a row; "
+                "giving up (max_rollout_iterations)"
+            )
+        self.meta = replace(self.meta, hint=ticket.instance.id, force_pin_once=False, version_tag=ticket.pinned_version)
+
+    async def _stop_watch(self) -> StopAcrossLoopBack | None:
+        """For a loop-back with stop strings: the watch for one begun in the output so far."""
+        state = self.states[0]
+        if not state.original.sampling.stop or not state.output_ids:
+            return None
+        tok = await self._d.tokenizers.get(self._model)
+        return StopAcrossLoopBack.after(tok, state.original.sampling, state.output_ids)
+
+    @staticmethod
+    async def _watched(call: WorkerCall, watch: StopAcrossLoopBack) -> AsyncIterator[Delta]:
+        """`call`'s deltas, ended at a stop string `watch` sees complete (the caller then cancels the call)."""
+        deltas = call.deltas()
+        try:
+            async for delta in deltas:
+                hit = None if watch.done else watch.feed(delta.token_ids)
+                if hit is not None:
+                    yield call.end_at_stop(delta, *hit)
+                    return
+                yield delta
+        finally:
+            await deltas.aclose()
+
+    async def _one_choice(self, watch: StopAcrossLoopBack | None = None) -> AsyncIterator[Delta]:
+        """The choice's iterations; `watch`: the stop-string watch of a call that is a loop-back already."""
         call = self._call
-        assert call is not None, "start() first"
+        assert call is not None
+        state = self.states[0]
         while True:
             ticket = self.ticket
             assert ticket is not None
             try:
-                async for delta in call.deltas():
+                async for delta in call.deltas() if watch is None else self._watched(call, watch):
                     yield delta
             finally:
                 call.cancel()
@@ -242,48 +323,103 @@ class Rollout:
             segment = call.result
             if segment.kv_moved_tokens is not None:  # admitted with kv_transfer_params (a refusal reports nothing)
                 self._d.metrics.kv_transfer(segment.kv_moved_tokens)
-            self.state.add(segment, ticket.instance.weight_version)
-            verdict = classify(segment, self.state)
-            if verdict == "done" or not self._d.partial_rollout:
-                self._last = segment
-                if segment.finish_reason == "abort" and self.state.remaining_tokens == 0:
-                    self._last = replace(segment, finish_reason="length")
+            if self._settle(0, segment, ticket):
+                yield self._closing(0)
                 return
             if segment.output_ids or segment.kv_moved_tokens:
                 # It ran there (its KV, moved in or computed, is now pinned there): the next hop pulls from it.
                 self._kv_source = (ticket.instance.id, call.gen.request_id)
-            if segment.output_ids:
-                self._interrupted += 1
-                self._refused = 0
-            else:
-                # Refused at admission (the replica is mid-sync): not progress, so back off instead of spinning.
-                self._refused += 1
-                await asyncio.sleep(min(0.05 * self._refused, 1.0))
-            if self._interrupted >= self._d.max_iterations or self._refused >= 10 * self._d.max_iterations:
-                raise PartialRolloutExhausted(
-                    f"request interrupted {self._interrupted} times and refused {self._refused} times in a row; "
-                    "giving up (max_rollout_iterations)"
-                )
-            # Loop back: hint the instance that aborted it (the KV-transfer source), drop a one-shot pin,
-            # and keep the version it was pinned to as its floor.
-            self.meta = replace(
-                self.meta, hint=ticket.instance.id, force_pin_once=False, version_tag=ticket.pinned_version
-            )
+            await self._interrupted_by(ticket, bool(segment.output_ids))
             logger.info(
                 "request %s looped back from %s after %d tokens (iteration %d)",
-                self.state.original.request_id,
+                state.original.request_id,
                 ticket.instance.id,
-                len(self.state.output_ids),
-                self.state.iterations,
+                len(state.output_ids),
+                state.iterations,
             )
-            call = await self._loop_back(self.state.next_input())
+            watch = await self._stop_watch()
+            call = await self._loop_back(state.next_input())
 
-    async def collect(self) -> Generation:
+    async def _choices(self) -> AsyncIterator[Delta]:
+        call = self._call
+        assert call is not None
+        while True:
+            ticket = self.ticket
+            assert ticket is not None
+            unfinished: list[int] = []
+            try:
+                async for delta in call.deltas():
+                    if delta.finished is None:
+                        yield delta
+                    elif self._settle(delta.index, delta.finished, ticket):
+                        yield self._closing(delta.index)
+                    else:
+                        unfinished.append(delta.index)
+            finally:
+                call.cancel()
+                self._d.finish(ticket, call.error)
+            if not unfinished:
+                return
+            produced = any(s.output_ids for s in self.states)
+            await self._interrupted_by(ticket, produced)
+            if produced or len(unfinished) < len(self.states):
+                logger.info(
+                    "request %s: choices %s continue on their own after an abort",
+                    self.states[0].original.request_id,
+                    unfinished,
+                )
+                async for delta in self._continue_each(unfinished):
+                    yield delta
+                return
+            original = self.states[0].original
+            retry_id = f"{original.request_id}-r{self.states[0].iterations}"
+            call = await self._loop_back(replace(original, request_id=retry_id))
+
+    async def _continue_each(self, indexes: list[int]) -> AsyncIterator[Delta]:
+        """Run each of these choices on as an n = 1 Rollout of its own, yielding their deltas as they come."""
+        queue: asyncio.Queue[Delta | Exception | None] = asyncio.Queue()
+
+        async def run(index: int) -> None:
+            child = Rollout(self._d, self._model, self.meta, self.states[index].original, resumed=self.states[index])
+            child._interrupted, child._refused = self._interrupted, self._refused
+            try:
+                watch = await child._stop_watch()
+                child._call = await child._loop_back(self.states[index].next_input())
+                async for delta in child._one_choice(watch):
+                    if delta.finished is not None:
+                        self._last[index] = child._last[0]
+                    queue.put_nowait(replace(delta, index=index))
+            except Exception as e:  # handed to the reader, which raises it (and stops the others)
+                queue.put_nowait(e)
+            finally:
+                queue.put_nowait(None)
+
+        tasks = [asyncio.ensure_future(run(i)) for i in indexes]
+        try:
+            running = len(tasks)
+            while running:
+                item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def collect(self) -> list[Generation]:
         async for _ in self.deltas():
             pass
-        return self.result
+        return self.results
 
     @property
-    def result(self) -> Generation:
-        assert self._last is not None
-        return self.state.merged(self._last)
+    def results(self) -> list[Generation]:
+        """Each choice's merged generation, once `deltas()` is done."""
+        out = []
+        for state, last in zip(self.states, self._last, strict=True):
+            assert last is not None
+            out.append(state.merged(last))
+        return out

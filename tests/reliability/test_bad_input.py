@@ -36,7 +36,7 @@ MSG = [{"role": "user", "content": "hi"}]
         ("/v1/chat/completions", {"json": {"messages": MSG, "max_tokens": "5"}}, 400, ["max_tokens", "integer"]),
         ("/v1/chat/completions", {"json": {"messages": MSG, "temperature": "hot"}}, 400, ["temperature"]),
         ("/v1/chat/completions", {"json": {"messages": MSG, "top_p": 0}}, 400, ["top_p"]),
-        ("/v1/chat/completions", {"json": {"messages": MSG, "n": 2}}, 400, ["n=1"]),
+        ("/v1/chat/completions", {"json": {"messages": MSG, "n": 0}}, 400, ["'n' must be >= 1"]),
         ("/v1/chat/completions", {"json": {"messages": MSG, "stream": "yes"}}, 400, ["stream", "boolean"]),
         ("/v1/completions", {"json": {"max_tokens": 3}}, 400, ["'prompt' is required"]),
         ("/v1/completions", {"json": {"prompt": [1, "a"]}}, 400, ["prompt"]),

@@ -24,6 +24,7 @@ def _dispatcher(registry: WorkerRegistry, **config: Any) -> Dispatcher:
         None,
         none,
         none,
+        none,
         request_timeout_s=None,
         partial_rollout=True,
         max_iterations=4,

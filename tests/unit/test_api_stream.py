@@ -15,11 +15,12 @@ import openai
 import pytest
 
 from psrl.router.errors import RouterError, WorkerStreamFailed
-from psrl.router.pipeline.context import Generation
+from psrl.router.pipeline.context import Generation, SamplingSpec
 from psrl.router.pipeline.execute import Delta
+from psrl.router.pipeline.stops import StreamedText
 from psrl.router.pipeline.stream import ApiWriter, MessagesWriter, ResponsesWriter, StreamStart, api_stream
 from psrl.router.pipeline.tool_calls import HermesToolParser
-from psrl.tokenizer import IncrementalDecoder, Tokenizer, build_tiny_tokenizer
+from psrl.tokenizer import Tokenizer, build_tiny_tokenizer
 
 TEXT = 'Let me look.<tool_call>\n{"name": "lookup", "arguments": {"q": "hé"}}\n</tool_call>'
 START = StreamStart({"input": "hi"}, "chatcmpl-1", 1, "tiny", 9)
@@ -42,12 +43,13 @@ class _Source:
             if self.error is not None and i == len(self.ids) // 2:
                 raise self.error
             yield Delta([t], [-0.25], None)
+        yield Delta([], None, None, finished=self.result)
 
 
 async def _frames(tok: Tokenizer, writer: ApiWriter, source: _Source) -> list[str]:
     logprobs = [{"token": "t", "logprob": -0.25, "bytes": None, "top_logprobs": []}]
     parser = HermesToolParser().stream()
-    events = api_stream(source, IncrementalDecoder(tok, True), parser, writer, lambda d: logprobs, "chatcmpl-1")
+    events = api_stream(source, StreamedText(tok, SamplingSpec()), parser, writer, lambda d: logprobs, "chatcmpl-1")
     return [frame.decode() async for frame in events]
 
 
@@ -99,6 +101,7 @@ async def test_text_log_probs_are_the_text_tokens_however_the_deltas_group_them(
             for i in range(0, len(self.ids), per_delta):
                 chunk = self.ids[i : i + per_delta]
                 yield Delta(chunk, [-float(t) for t in chunk], None)
+            yield Delta([], None, None, finished=self.result)
 
     def logprobs(d: Delta) -> list[dict]:
         return [
@@ -107,7 +110,8 @@ async def test_text_log_probs_are_the_text_tokens_however_the_deltas_group_them(
         ]
 
     parser = HermesToolParser().stream()
-    events = api_stream(Grouped(ids), IncrementalDecoder(tok, True), parser, ResponsesWriter(START), logprobs, "r")
+    text = StreamedText(tok, SamplingSpec())
+    events = api_stream(Grouped(ids), text, parser, ResponsesWriter(START), logprobs, "r")
     frames = [f.decode() async for f in events]
     texts = _payloads(frames, "response.output_text.done")
     assert [t["text"] for t in texts] == ["Answer.", "\nBye."]

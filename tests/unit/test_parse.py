@@ -101,8 +101,23 @@ def test_generate_shape() -> None:
         P.parse_generate({"input_ids": [1], "stream": True})
     with pytest.raises(BadRequest, match="empty"):
         P.parse_generate({"input_ids": []})
-    with pytest.raises(BadRequest, match="n=1"):
-        P.parse_generate({"input_ids": [1], "sampling_params": {"n": 2}})
+    sp = {"n": 2, "stop": "</a>", "no_stop_trim": True}
+    assert P.parse_generate({"input_ids": [1], "sampling_params": sp}).sampling.n == 2
+    assert P.parse_generate({"input_ids": [1], "sampling_params": sp}).sampling.include_stop_str_in_output
+    with pytest.raises(BadRequest, match="'n' must be <= 128"):
+        P.parse_generate({"input_ids": [1], "sampling_params": {"n": 129}})
+
+
+def test_n_and_stop_strings() -> None:
+    chat = P.parse_chat({"messages": [{"role": "user", "content": "hi"}], "n": 3, "stop": "x"})
+    assert chat.sampling.n == 3 and chat.sampling.stop == ["x"] and not chat.sampling.include_stop_str_in_output
+    proto = chat.sampling.to_proto()
+    assert proto.n == 3 and list(proto.stop) == ["x"] and not proto.include_stop_str_in_output
+    cmpl = P.parse_completion({"prompt": "a", "stop": ["x", "yz"], "include_stop_str_in_output": True})
+    assert cmpl.sampling.stop == ["x", "yz"] and cmpl.sampling.to_proto().include_stop_str_in_output
+    for bad in ({"n": 0}, {"stop": ["x", ""]}, {"stop": 3}):
+        with pytest.raises(BadRequest):
+            P.parse_completion({"prompt": "a", **bad})
 
 
 def test_json_body() -> None:

@@ -183,34 +183,19 @@ def test_round_trip_through_the_tiny_chat_template(tmp_path: Path) -> None:
     assert out.reasoning_content is None
 
 
-def test_chat_completion_reports_tool_calls_as_the_finish_reason() -> None:
+def test_chat_choice_reports_tool_calls_as_the_finish_reason() -> None:
     from psrl.router.pipeline.context import Generation
-    from psrl.router.pipeline.respond import chat_completion
+    from psrl.router.pipeline.respond import chat_choice
 
     parsed = HermesToolParser(id_factory=lambda: "call_x").parse(
         'ok\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
     )
-    body = chat_completion(
-        request_id="r",
-        created=0,
-        model="m",
-        output=parsed,
-        gen=Generation(output_ids=[1, 2], finish_reason="stop"),
-        logprobs=None,
-    )
-    choice = body["choices"][0]
+    choice = chat_choice(0, parsed, Generation(output_ids=[1, 2], finish_reason="stop"), None)
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] == "ok"
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
-    cut = chat_completion(
-        request_id="r",
-        created=0,
-        model="m",
-        output=parsed,
-        gen=Generation(output_ids=[1, 2], finish_reason="length"),
-        logprobs=None,
-    )
-    assert cut["choices"][0]["finish_reason"] == "length"
+    cut = chat_choice(0, parsed, Generation(output_ids=[1, 2], finish_reason="length"), None)
+    assert cut["finish_reason"] == "length"
 
 
 # ---- streaming ----------------------------------------------------------------------------------------

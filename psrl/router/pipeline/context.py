@@ -18,6 +18,7 @@ class SamplingSpec:
     max_tokens: int | None = None
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -26,6 +27,7 @@ class SamplingSpec:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    n: int = 1  # choices sampled from the one prompt
 
     def to_proto(self) -> vllm_engine_pb2.SamplingParams:
         p = vllm_engine_pb2.SamplingParams(
@@ -34,13 +36,14 @@ class SamplingSpec:
             min_p=self.min_p,
             min_tokens=self.min_tokens,
             stop=self.stop,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
             repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            n=1,
+            n=self.n,
         )
         if self.temperature is not None:
             p.temperature = self.temperature
@@ -79,7 +82,7 @@ class GenerationInput:
 
 @dataclass
 class Generation:
-    """Everything one request produced, accumulated the way SMG does it."""
+    """Everything one choice of a request produced, accumulated the way SMG does it."""
 
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
@@ -89,7 +92,13 @@ class Generation:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     kv_moved_tokens: int | None = None  # a loop-back with kv_transfer_params: prompt tokens whose KV moved in
+    matched_stop_str: str | None = None  # the stop string the replica stopped at (its ids may run past it)
 
     @property
     def completion_tokens(self) -> int:
         return len(self.output_ids)
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        """vLLM's `stop_reason`: the stop string or stop token id that ended the choice (None for EOS)."""
+        return self.matched_stop_str if self.matched_stop_str is not None else self.matched_stop_token_id

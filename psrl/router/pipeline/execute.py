@@ -1,14 +1,16 @@
 """Stage 4, execute: one Generate call on the chosen instance, read as deltas and accumulated like SMG.
 
 Accumulation rule (the servicer's framing): chunk token ids are the output; a complete frame's ids count only
-when no chunk came (non-streamed calls), because when streaming it repeats the last chunk's delta.
+when no chunk came for its choice (non-streamed calls), because when streaming it repeats the last chunk's
+delta. With n > 1 every frame names its choice (`index`): streamed, the choices' chunks interleave and each
+choice's complete frame comes when it finishes; non-streamed, one complete frame per choice.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import grpc
@@ -35,11 +37,15 @@ _OVERFLOW_MARKERS = ("maximum model length", "maximum context length")
 ACCEPTED_METADATA_KEY = "x-psrl-accepted"
 
 
-@dataclass
+@dataclass(slots=True)
 class Delta:
+    """New tokens of choice `index`; or, with `finished` set (and no tokens), the end of that choice."""
+
     token_ids: list[int]
     logprobs: list[float] | None
     top_logprobs: list[list[tuple[int, float]]] | None
+    index: int = 0
+    finished: Generation | None = None
 
 
 def _logprobs_of(proto: vllm_engine_pb2.OutputLogProbs, want_top: bool):
@@ -79,20 +85,23 @@ def map_rpc_error(e: grpc.aio.AioRpcError, *, started: bool, instance: InstanceS
 
 class WorkerCall:
     """One Generate RPC. `start()` waits for the first frame, so connection errors surface before any HTTP
-    response is sent; iterating then yields deltas, and `result` holds the accumulated generation."""
+    response is sent; iterating then yields deltas, and `results` holds each choice's accumulated generation
+    (`result`: the first). With n > 1 a choice's end is yielded too (a Delta with `finished`)."""
 
     def __init__(
         self, clients: WorkerClients, instance: InstanceState, gen: GenerationInput, timeout_s: float | None
     ) -> None:
         self.instance = instance
         self.gen = gen
-        self.result = Generation()
+        self.results = [Generation() for _ in range(gen.sampling.n)]
+        self.result = self.results[0]
         self.error: RouterError | None = None  # set when the call failed (also for streams that report it in-band)
         self._want_top = bool(gen.sampling.logprobs)
         self._call = clients.stub(instance.worker.target).Generate(gen.to_proto(instance.id.dp_rank), timeout=timeout_s)
         self._first: vllm_engine_pb2.GenerateResponse | None = None
         self._frames = 0
-        self._saw_chunk = False
+        self._saw_chunk = [False] * gen.sampling.n
+        self._open = gen.sampling.n  # choices without their complete frame yet
 
     async def _read(self) -> vllm_engine_pb2.GenerateResponse | None:
         try:
@@ -129,44 +138,90 @@ class WorkerCall:
         if not self._call.done():
             self._call.cancel()
 
-    async def deltas(self) -> AsyncIterator[Delta]:
+    async def deltas(self) -> AsyncGenerator[Delta, None]:
         frame = self._first if self._frames else await self._read()
         self._first = None
-        res = self.result
+        results, saw_chunk = self.results, self._saw_chunk
         while frame is not None:
             which = frame.WhichOneof("response")
             if which == "chunk":
                 c = frame.chunk
-                self._saw_chunk = True
+                try:
+                    res = results[c.index]
+                except IndexError:
+                    raise self._no_such_choice(c.index) from None
+                saw_chunk[c.index] = True
                 res.prompt_tokens = c.prompt_tokens or res.prompt_tokens
                 res.cached_tokens = max(res.cached_tokens, c.cached_tokens)
                 lps, top = _logprobs_of(c.output_logprobs, self._want_top)
                 if c.token_ids:
                     ids = list(c.token_ids)
-                    self._extend(ids, lps, top)
-                    yield Delta(ids, lps, top)
+                    _extend(res, ids, lps, top)
+                    yield Delta(ids, lps, top, c.index)
             elif which == "complete":
                 c = frame.complete
+                try:
+                    res = results[c.index]
+                except IndexError:
+                    raise self._no_such_choice(c.index) from None
                 res.finish_reason = c.finish_reason or "stop"
                 res.prompt_tokens = c.prompt_tokens or res.prompt_tokens
                 res.cached_tokens = max(res.cached_tokens, c.cached_tokens)
-                if c.WhichOneof("matched_stop") == "matched_token_id":
+                matched = c.WhichOneof("matched_stop")
+                if matched == "matched_token_id":
                     res.matched_stop_token_id = c.matched_token_id
+                elif matched == "matched_stop_str":
+                    res.matched_stop_str = c.matched_stop_str
                 if c.kv_transfer_params_json:
                     res.kv_moved_tokens = _moved_tokens(c.kv_transfer_params_json)
-                if not self._saw_chunk and c.output_ids:
+                if not saw_chunk[c.index] and c.output_ids:
                     lps, top = _logprobs_of(c.output_logprobs, self._want_top)
                     ids = list(c.output_ids)
-                    self._extend(ids, lps, top)
-                    yield Delta(ids, lps, top)
-                await self._finish_rpc()
-                return
+                    _extend(res, ids, lps, top)
+                    yield Delta(ids, lps, top, c.index)
+                self._open -= 1
+                if len(results) > 1:
+                    yield Delta([], None, None, c.index, res)
+                if not self._open:
+                    await self._finish_rpc()
+                    return
             frame = await self._read()
-        if res.finish_reason is None:
-            self.error = WorkerStreamFailed(
-                f"worker {self.instance.id.base_worker_id} closed the stream without a complete frame"
-            )
-            raise self.error
+        if len(results) > 1 and any(r.finish_reason == "abort" for r in results):
+            # A replica that refuses a request (admission closed) answers one empty abort frame, whatever n.
+            for i, r in enumerate(results):
+                if r.finish_reason is None:
+                    r.finish_reason = "abort"
+                    yield Delta([], None, None, i, r)
+            return
+        self.error = WorkerStreamFailed(
+            f"worker {self.instance.id.base_worker_id} closed the stream without a complete frame for every choice"
+        )
+        raise self.error
+
+    def end_at_stop(self, delta: Delta, keep: int, stop: str) -> Delta:
+        """End the choice `keep` ids into `delta`, at a stop string the replica could not see (it began before a
+        loop-back): the ids after the one completing it are dropped, as vLLM drops them. The call is done."""
+        res = self.results[delta.index]
+        drop = len(delta.token_ids) - keep
+        if drop:
+            del res.output_ids[-drop:]
+            if res.logprobs is not None:
+                del res.logprobs[-drop:]
+            if res.top_logprobs is not None:
+                del res.top_logprobs[-drop:]
+        res.finish_reason, res.matched_stop_str, res.matched_stop_token_id = "stop", stop, None
+        return Delta(
+            delta.token_ids[:keep],
+            None if delta.logprobs is None else delta.logprobs[:keep],
+            None if delta.top_logprobs is None else delta.top_logprobs[:keep],
+            delta.index,
+        )
+
+    def _no_such_choice(self, index: int) -> WorkerStreamFailed:
+        self.error = WorkerStreamFailed(
+            f"worker {self.instance.id.base_worker_id} sent choice {index} of a request with n={len(self.results)}"
+        )
+        return self.error
 
     async def _finish_rpc(self) -> None:
         """Read the trailing status after the complete frame: a finished RPC needs no cancel (cheaper)."""
@@ -175,19 +230,14 @@ class WorkerCall:
         except grpc.aio.AioRpcError:
             pass  # the answer is complete; a transport error after it changes nothing
 
-    def _extend(self, ids: list[int], lps: list[float] | None, top) -> None:
-        res = self.result
-        res.output_ids.extend(ids)
-        if lps is not None:
-            if res.logprobs is None:
-                res.logprobs = []
-            res.logprobs.extend(lps)
-        if top is not None:
-            if res.top_logprobs is None:
-                res.top_logprobs = []
-            res.top_logprobs.extend(top)
 
-    async def collect(self) -> Generation:
-        async for _ in self.deltas():
-            pass
-        return self.result
+def _extend(res: Generation, ids: list[int], lps: list[float] | None, top) -> None:
+    res.output_ids.extend(ids)
+    if lps is not None:
+        if res.logprobs is None:
+            res.logprobs = []
+        res.logprobs.extend(lps)
+    if top is not None:
+        if res.top_logprobs is None:
+            res.top_logprobs = []
+        res.top_logprobs.extend(top)

@@ -15,6 +15,8 @@ _MISSING = object()
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 # SGLang's default for /generate when max_new_tokens is not sent.
 GENERATE_DEFAULT_MAX_NEW_TOKENS = 128
+# OpenAI's bound on `n`; each choice is a sequence the replica runs and the router streams.
+MAX_N = 128
 
 
 def parse_json(raw: bytes, max_bytes: int) -> Any:
@@ -119,11 +121,12 @@ def get_stop(body: dict[str, Any]) -> list[str]:
     value = _present(body, "stop")
     if value is _MISSING:
         return []
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return value
-    raise BadRequest("'stop' must be a string or a list of strings", param="stop")
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise BadRequest("'stop' must be a string or a list of strings", param="stop")
+    if not all(stops):
+        raise BadRequest("'stop' cannot contain an empty string", param="stop")
+    return stops
 
 
 def _common_sampling(body: dict[str, Any], max_tokens: int | None) -> SamplingSpec:
@@ -136,6 +139,7 @@ def _common_sampling(body: dict[str, Any], max_tokens: int | None) -> SamplingSp
         max_tokens=max_tokens,
         min_tokens=get_int(body, "min_tokens", 0, minimum=0) or 0,
         stop=get_stop(body),
+        include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
         stop_token_ids=[] if stop_ids is _MISSING else get_token_ids(stop_ids, "stop_token_ids"),
         ignore_eos=get_bool(body, "ignore_eos", False),
         skip_special_tokens=get_bool(body, "skip_special_tokens", True),
@@ -143,6 +147,7 @@ def _common_sampling(body: dict[str, Any], max_tokens: int | None) -> SamplingSp
         repetition_penalty=get_float(body, "repetition_penalty", 1.0, minimum=0.0, exclusive_min=True) or 1.0,
         presence_penalty=get_float(body, "presence_penalty", 0.0, minimum=-2.0, maximum=2.0) or 0.0,
         frequency_penalty=get_float(body, "frequency_penalty", 0.0, minimum=-2.0, maximum=2.0) or 0.0,
+        n=get_int(body, "n", 1, minimum=1, maximum=MAX_N) or 1,
     )
 
 
@@ -152,11 +157,6 @@ def _top_k(body: dict[str, Any]) -> int:
     if top_k == 0 or top_k < -1:
         raise BadRequest(f"'top_k' must be -1 (off) or >= 1, got {top_k}", param="top_k")
     return top_k
-
-
-def _n_must_be_one(body: dict[str, Any]) -> None:
-    if get_int(body, "n", 1, minimum=1) != 1:
-        raise BadRequest("only n=1 is supported; send several requests instead", param="n")
 
 
 def _include_usage(body: dict[str, Any]) -> bool:
@@ -238,7 +238,6 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def parse_chat(body: dict[str, Any]) -> ChatRequest:
-    _n_must_be_one(body)
     max_tokens = get_int(body, "max_completion_tokens", None, minimum=1)
     if max_tokens is None:
         max_tokens = get_int(body, "max_tokens", None, minimum=1)
@@ -284,7 +283,6 @@ class CompletionRequest:
 
 
 def parse_completion(body: dict[str, Any]) -> CompletionRequest:
-    _n_must_be_one(body)
     prompt = _present(body, "prompt")
     if prompt is _MISSING:
         raise BadRequest("'prompt' is required", param="prompt")
@@ -368,10 +366,11 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequestBody:
         sp = {}
     if not isinstance(sp, dict):
         raise BadRequest("'sampling_params' must be an object", param="sampling_params")
-    _n_must_be_one(sp)
     max_new = get_int(sp, "max_new_tokens", GENERATE_DEFAULT_MAX_NEW_TOKENS, minimum=1)
     sampling = _common_sampling(sp, max_new)
     sampling.seed = get_int(sp, "sampling_seed", sampling.seed)
+    # SGLang's spelling of include_stop_str_in_output: the returned text keeps the stop string.
+    sampling.include_stop_str_in_output = get_bool(sp, "no_stop_trim", sampling.include_stop_str_in_output)
     return_logprob = get_bool(body, "return_logprob", False)
     top_n = get_int(body, "top_logprobs_num", 0, minimum=0, maximum=20) or 0
     sampling.logprobs = top_n if return_logprob else None

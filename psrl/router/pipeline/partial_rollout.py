@@ -18,9 +18,11 @@ class UnexpectedFinishReason(RouterError):
 
 @dataclass
 class RolloutState:
-    """Everything a request produced over its iterations (one iteration per instance it ran on)."""
+    """Everything one choice of a request produced over its iterations (one iteration per instance it ran on).
+    `index`: the choice (an n > 1 request continues each interrupted choice on its own)."""
 
     original: GenerationInput
+    index: int = 0
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] | None = field(default_factory=list)
@@ -28,6 +30,7 @@ class RolloutState:
     iterations: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    weight_version: int = 0  # of the instance that ran the latest iteration
 
     def add(self, segment: Generation, weight_version: int) -> None:
         """Append one iteration's output. Log-probs survive only if every segment carried them."""
@@ -35,6 +38,7 @@ class RolloutState:
             self.prompt_tokens = segment.prompt_tokens or len(self.original.prompt_ids)
             self.cached_tokens = segment.cached_tokens
         self.iterations += 1
+        self.weight_version = weight_version
         ids = segment.output_ids
         self.output_ids.extend(ids)
         self.token_versions.extend([weight_version] * len(ids))
@@ -54,13 +58,23 @@ class RolloutState:
         return None if budget is None else max(budget - len(self.output_ids), 0)
 
     def next_input(self) -> GenerationInput:
-        """The looped-back request: the original prepared prompt plus every token produced so far."""
-        sampling = replace(self.original.sampling, max_tokens=self.remaining_tokens)
+        """The looped-back request: the original prepared prompt plus every token produced so far, one choice
+        (with the seed vLLM gives choice `index` of an n > 1 request), and the budgets less what was produced."""
+        original = self.original
+        seed = original.sampling.seed
+        sampling = replace(
+            original.sampling,
+            n=1,
+            max_tokens=self.remaining_tokens,
+            min_tokens=max(original.sampling.min_tokens - len(self.output_ids), 0),
+            seed=None if seed is None else seed + self.index,
+        )
+        choice = f"-{self.index}" if original.sampling.n > 1 else ""
         return replace(
-            self.original,
-            prompt_ids=self.original.prompt_ids + self.output_ids,
+            original,
+            prompt_ids=original.prompt_ids + self.output_ids,
             sampling=sampling,
-            request_id=f"{self.original.request_id}-r{self.iterations}",
+            request_id=f"{original.request_id}{choice}-r{self.iterations}",
         )
 
     def merged(self, last: Generation) -> Generation:
@@ -70,6 +84,7 @@ class RolloutState:
             top_logprobs=self.top_logprobs if self.original.sampling.logprobs else None,
             finish_reason=last.finish_reason,
             matched_stop_token_id=last.matched_stop_token_id,
+            matched_stop_str=last.matched_stop_str,
             prompt_tokens=self.prompt_tokens,
             cached_tokens=self.cached_tokens,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from psrl.router.pipeline.context import Generation
@@ -10,23 +11,28 @@ from psrl.router.pipeline.tool_calls import ParsedOutput, StreamPiece
 from psrl.tokenizer import Tokenizer
 
 
-def usage(gen: Generation) -> dict[str, Any]:
-    return {
-        "prompt_tokens": gen.prompt_tokens,
-        "completion_tokens": gen.completion_tokens,
-        "total_tokens": gen.prompt_tokens + gen.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": gen.cached_tokens},
-    }
-
-
-def sum_usage(gens: list[Generation]) -> dict[str, Any]:
-    prompt = sum(g.prompt_tokens for g in gens)
-    completion = sum(g.completion_tokens for g in gens)
+def usage(choices: Sequence[Generation]) -> dict[str, Any]:
+    """One prompt's usage, as vLLM counts it: its prompt once, every choice's output tokens."""
+    prompt = choices[0].prompt_tokens
+    completion = sum(g.completion_tokens for g in choices)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(g.cached_tokens for g in gens)},
+        "prompt_tokens_details": {"cached_tokens": choices[0].cached_tokens},
+    }
+
+
+def sum_usage(prompts: Sequence[Sequence[Generation]]) -> dict[str, Any]:
+    """A batch of prompts' usage: the sum of each prompt's."""
+    each = [usage(choices) for choices in prompts]
+    prompt = sum(u["prompt_tokens"] for u in each)
+    completion = sum(u["completion_tokens"] for u in each)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in each)},
     }
 
 
@@ -74,26 +80,29 @@ def chat_stream_delta(piece: StreamPiece, call_index: int) -> dict[str, Any]:
     return {"tool_calls": [{"index": call_index, **piece.call}]}
 
 
-def chat_completion(
-    *,
-    request_id: str,
-    created: int,
-    model: str,
-    output: ParsedOutput,
-    gen: Generation,
-    logprobs: dict[str, Any] | None,
-) -> dict[str, Any]:
+def chat_choice(index: int, output: ParsedOutput, gen: Generation, logprobs: dict[str, Any] | None) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": output.content, "tool_calls": output.tool_calls}
     if output.reasoning_content is not None:
         message["reasoning_content"] = output.reasoning_content
-    finish = chat_finish_reason(bool(output.tool_calls), gen.finish_reason)
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": chat_finish_reason(bool(output.tool_calls), gen.finish_reason),
+        "stop_reason": gen.stop_reason,
+    }
+
+
+def chat_completion(
+    *, request_id: str, created: int, model: str, choices: list[dict[str, Any]], gens: Sequence[Generation]
+) -> dict[str, Any]:
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}],
-        "usage": usage(gen),
+        "choices": choices,
+        "usage": usage(gens),
     }
 
 
@@ -126,11 +135,22 @@ def completion_logprobs(
 
 
 def completion_choice(index: int, text: str, gen: Generation, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": gen.finish_reason}
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": gen.finish_reason,
+        "stop_reason": gen.stop_reason,
+    }
 
 
 def completion(
-    *, request_id: str, created: int, model: str, choices: list[dict[str, Any]], gens: list[Generation]
+    *,
+    request_id: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    prompts: Sequence[Sequence[Generation]],
 ) -> dict[str, Any]:
     return {
         "id": request_id,
@@ -138,7 +158,7 @@ def completion(
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": sum_usage(gens),
+        "usage": sum_usage(prompts),
     }
 
 
@@ -150,8 +170,8 @@ def generate_finish_reason(gen: Generation) -> dict[str, Any]:
         return {"type": "length", "length": gen.completion_tokens}
     if gen.finish_reason == "stop":
         out: dict[str, Any] = {"type": "stop"}
-        if gen.matched_stop_token_id is not None:
-            out["matched"] = gen.matched_stop_token_id
+        if gen.stop_reason is not None:
+            out["matched"] = gen.stop_reason  # SGLang's: the stop string, or the stop token id
         return out
     return {"type": gen.finish_reason or "abort"}
 

@@ -1,15 +1,16 @@
-"""Stage 5 for streaming clients: turn a worker call's deltas into SSE events, whatever the API's spelling.
+"""Stage 5 for streaming clients: turn a generation's deltas into SSE events, whatever the API's spelling.
 
-Chat and completions (`sse_stream`): each supplies one function that spells the choices of a delta (text delta,
-token delta or None at the end, finish reason); the framing, the usage event, the error event and `[DONE]` are
-shared. Responses and Messages (`api_stream`): the text is parsed into content, reasoning and tool calls as it
-arrives, and an `ApiWriter` spells each piece as that API's events.
+Chat and completions (`sse_stream`): one ChoiceWriter per choice spells its chunks (the opening, each delta,
+its end); deltas of n > 1 choices interleave, each choice's end comes when it finishes; the framing, the usage
+event, the error event and `[DONE]` are shared. Responses and Messages (`api_stream`, one choice): the text is
+parsed into content, reasoning and tool calls as it arrives, and an `ApiWriter` spells each piece as that API's
+events. A choice's text is a StreamedText: held back while it could still become a stop string.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -18,52 +19,126 @@ from psrl.router.errors import RouterError
 from psrl.router.pipeline import respond as R
 from psrl.router.pipeline.context import Generation
 from psrl.router.pipeline.execute import Delta
+from psrl.router.pipeline.stops import StreamedText
 from psrl.router.pipeline.tool_calls import StreamPiece, ToolCallStream
-from psrl.tokenizer import IncrementalDecoder
+from psrl.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-# (new text, the token delta or None for the closing event, finish reason or None) -> the choices to send (the
-# closing call returns at least the one with the finish reason)
-ChoiceFn = Callable[[str, Delta | None, str | None], list[dict[str, Any]]]
-
 
 class DeltaSource(Protocol):
-    """A started generation: its token deltas (which clean up after themselves) and, after them, the result."""
+    """A started generation: its token deltas, then each choice's end (a Delta with `finished`); the iterator
+    cleans up after itself."""
 
     def deltas(self) -> AsyncIterator[Delta]: ...
 
-    @property
-    def result(self) -> Generation: ...
+
+class ChoiceWriter(Protocol):
+    """One choice's chunks (each the `choices` entry of one SSE event)."""
+
+    def opening(self) -> list[dict[str, Any]]: ...
+
+    def delta(self, d: Delta) -> list[dict[str, Any]]: ...
+
+    def finish(self, gen: Generation) -> list[dict[str, Any]]:
+        """The last chunks, at least the one with the finish reason."""
+        ...
 
 
 async def sse_stream(
     source: DeltaSource,
-    decoder: IncrementalDecoder,
+    choices: Sequence[ChoiceWriter],
     *,
     envelope: dict[str, Any],
-    choice: ChoiceFn,
-    opening: dict[str, Any] | None = None,
     include_usage: bool = False,
 ) -> AsyncIterator[bytes]:
     def event(ch: dict[str, Any]) -> bytes:
         return R.sse({**envelope, "choices": [ch]})
 
     try:
-        if opening is not None:
-            yield event(opening)
-        async for d in source.deltas():
-            for ch in choice(decoder.push(d.token_ids), d, None):
+        for writer in choices:
+            for ch in writer.opening():
                 yield event(ch)
-        result = source.result
-        for ch in choice(decoder.flush(), None, result.finish_reason):
-            yield event(ch)
+        finished: list[Generation] = []
+        async for d in source.deltas():
+            writer = choices[d.index]
+            if d.finished is None:
+                for ch in writer.delta(d):
+                    yield event(ch)
+            else:
+                finished.append(d.finished)
+                for ch in writer.finish(d.finished):
+                    yield event(ch)
         if include_usage:
-            yield R.sse({**envelope, "choices": [], "usage": R.usage(result)})
+            yield R.sse({**envelope, "choices": [], "usage": R.usage(finished)})
     except RouterError as e:  # headers are sent: the error travels as an SSE event
         logger.warning("stream %s failed: %s", envelope.get("id"), e.message)
         yield R.sse(e.body())
     yield R.SSE_DONE
+
+
+class ChatChoice:
+    """A streamed chat choice: content, reasoning and tool-call deltas as the parser finds them; with `logprobs`
+    every sampled token's log-prob, also of text held back or parsed into a call."""
+
+    def __init__(self, index: int, text: StreamedText, parser: ToolCallStream, tok: Tokenizer, logprobs: bool) -> None:
+        self._index = index
+        self._text = text
+        self._parser = parser
+        self._tok = tok
+        self._logprobs = logprobs
+        self._calls = 0
+
+    def _chunk(self, delta: dict[str, Any]) -> dict[str, Any]:
+        return {"index": self._index, "delta": delta, "logprobs": None, "finish_reason": None}
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def _pieces(self, pieces: list[StreamPiece]) -> list[dict[str, Any]]:
+        choices = []
+        for piece in pieces:
+            choices.append(self._chunk(R.chat_stream_delta(piece, self._calls)))
+            self._calls += piece.kind == "tool_call"
+        return choices
+
+    def delta(self, d: Delta) -> list[dict[str, Any]]:
+        choices = self._pieces(self._parser.push(self._text.push(d.token_ids)))
+        lps = R.chat_logprobs(self._tok, d.token_ids, d.logprobs, d.top_logprobs) if self._logprobs else None
+        if lps is not None:
+            if not choices:
+                choices.append(self._chunk({"content": ""}))
+            choices[0]["logprobs"] = lps
+        return choices
+
+    def finish(self, gen: Generation) -> list[dict[str, Any]]:
+        choices = self._pieces(self._parser.finish(self._text.finish(gen)))
+        closing = self._chunk({})
+        closing["finish_reason"] = R.chat_finish_reason(self._calls > 0, gen.finish_reason)
+        closing["stop_reason"] = gen.stop_reason
+        return [*choices, closing]
+
+
+class CompletionChoice:
+    """A streamed completion choice: text deltas, with their tokens' log-probs when asked for."""
+
+    def __init__(self, index: int, text: StreamedText, tok: Tokenizer) -> None:
+        self._index = index
+        self._text = text
+        self._tok = tok
+
+    def opening(self) -> list[dict[str, Any]]:
+        return []
+
+    def delta(self, d: Delta) -> list[dict[str, Any]]:
+        text = self._text.push(d.token_ids)
+        lps = R.completion_logprobs(self._tok, d.token_ids, d.logprobs, d.top_logprobs)
+        if not text and lps is None:
+            return []
+        return [{"index": self._index, "text": text, "logprobs": lps, "finish_reason": None}]
+
+    def finish(self, gen: Generation) -> list[dict[str, Any]]:
+        return [R.completion_choice(self._index, self._text.finish(gen), gen, None)]
 
 
 @dataclass(frozen=True)
@@ -92,23 +167,25 @@ class ApiWriter(Protocol):
         """Log-probs of the last tokens, which added no text (e.g. the end-of-turn token)."""
         ...
 
-    def finish(self, finish_reason: str | None, usage: dict[str, Any]) -> list[str]: ...
+    def finish(self, finish_reason: str | None, usage: dict[str, Any], stop_sequence: str | None) -> list[str]:
+        """The end (`stop_sequence`: the stop string the generation stopped at)."""
+        ...
 
     def error(self, e: RouterError) -> list[str]: ...
 
 
 async def api_stream(
     source: DeltaSource,
-    decoder: IncrementalDecoder,
+    text: StreamedText,
     parser: ToolCallStream,
     writer: ApiWriter,
     logprobs: Callable[[Delta], list[dict[str, Any]] | None],
     request_id: str,
 ) -> AsyncIterator[bytes]:
-    """`writer`'s events for a started generation. `logprobs` spells a delta's log-probs (None when not asked
-    for). With log-probs the tokens go through the parser one at a time: a token that starts, is in or ends
-    reasoning or a call loses its log-prob (those carry none), the others' go with the next content piece, and
-    those left at the end (tokens with no text: the end of turn) go to `writer.trailing_logprobs`."""
+    """`writer`'s events for a started one-choice generation. `logprobs` spells a delta's log-probs (None when
+    not asked for). With log-probs the tokens go through the parser one at a time: a token that starts, is in
+    or ends reasoning or a call loses its log-prob (those carry none), the others' go with the next content
+    piece, and those left at the end (tokens with no text: the end of turn) go to `writer.trailing_logprobs`."""
     pending: list[dict[str, Any]] = []  # log-probs of content tokens not yet sent with a piece
     asked = False  # whether log-probs were asked for (the source's deltas carry them)
     calls = 0
@@ -117,7 +194,7 @@ async def api_stream(
         frames: list[str] = []
         for token_id, lp in zip(d.token_ids, lps, strict=True):
             was_content = parser.in_content
-            pieces = parser.push(decoder.push([token_id]))
+            pieces = parser.push(text.push([token_id]))
             if was_content and parser.in_content and not any(p.kind != "content" for p in pieces):
                 pending.append(lp)
             frames += frames_of(pieces)
@@ -140,18 +217,23 @@ async def api_stream(
     try:
         for frame in writer.start():
             yield frame.encode()
+        result: Generation | None = None
         async for d in source.deltas():
+            if d.finished is not None:
+                result = d.finished
+                continue
             lps = logprobs(d)
             asked = asked or lps is not None
-            frames = frames_of(parser.push(decoder.push(d.token_ids))) if lps is None else token_frames(d, lps)
+            frames = frames_of(parser.push(text.push(d.token_ids))) if lps is None else token_frames(d, lps)
             for frame in frames:
                 yield frame.encode()
-        for frame in frames_of(parser.finish(decoder.flush())):
+        assert result is not None, "a generation ends with its choice's end"
+        for frame in frames_of(parser.finish(text.finish(result))):
             yield frame.encode()
         for frame in writer.trailing_logprobs(pending) if pending else []:
             yield frame.encode()
-        result = source.result
-        for frame in writer.finish(R.chat_finish_reason(calls > 0, result.finish_reason), R.usage(result)):
+        finish = R.chat_finish_reason(calls > 0, result.finish_reason)
+        for frame in writer.finish(finish, R.usage([result]), result.matched_stop_str):
             yield frame.encode()
     except RouterError as e:  # headers are sent: the error travels as the API's error event
         logger.warning("stream %s failed: %s", request_id, e.message)
@@ -183,7 +265,7 @@ class ResponsesWriter:
     def trailing_logprobs(self, logprobs: list[dict[str, Any]]) -> list[str]:
         return self.stream.logprobs(logprobs)
 
-    def finish(self, finish_reason: str | None, usage: dict[str, Any]) -> list[str]:
+    def finish(self, finish_reason: str | None, usage: dict[str, Any], stop_sequence: str | None) -> list[str]:
         return self.stream.finish(A.response_outcome(finish_reason, usage))
 
     def error(self, e: RouterError) -> list[str]:
@@ -215,8 +297,9 @@ class MessagesWriter:
     def trailing_logprobs(self, logprobs: list[dict[str, Any]]) -> list[str]:
         return []  # Messages has no log-probs
 
-    def finish(self, finish_reason: str | None, usage: dict[str, Any]) -> list[str]:
-        return self.stream.finish(A.stop_reason_of(finish_reason), A.message_usage(usage))
+    def finish(self, finish_reason: str | None, usage: dict[str, Any], stop_sequence: str | None) -> list[str]:
+        stop_reason = A.stop_reason_of(finish_reason, stop_sequence)
+        return self.stream.finish(stop_reason, A.message_usage(usage), stop_sequence)
 
     def error(self, e: RouterError) -> list[str]:
         return self.stream.error(e.message, e.status)

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from psrl.router.pipeline.stops import partial_match_start
+
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 THINK_START = "<think>"
@@ -138,14 +140,6 @@ class StreamPiece:
     call: dict[str, Any] | None = None
 
 
-def _held_back(text: str, marker: str) -> int:
-    """Where the longest suffix of `text` that could be the start of `marker` begins (len(text) if none)."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return len(text) - n
-    return len(text)
-
-
 class StreamingHermesParser:
     """HermesToolParser for a stream: text goes in as it is decoded, pieces come out as soon as they are
     certain. Content and reasoning stream through, holding back only what could be the start of a marker and
@@ -188,7 +182,7 @@ class StreamingHermesParser:
         """Stream the buffer as `kind` up to the first of `markers`: True with the marker left at the buffer's
         start, or False with only what could begin a marker left."""
         found = [at for at in (self._buf.find(m) for m in markers) if at >= 0]
-        cut = min(found) if found else min(_held_back(self._buf, m) for m in markers)
+        cut = min(found) if found else min(partial_match_start(self._buf, m) for m in markers)
         self._text(kind, self._buf[:cut], out)
         self._buf = self._buf[cut:]
         return bool(found)
