@@ -1,9 +1,10 @@
 """Routing loop and partial rollout over real processes: the pause barrier, requests waiting for their
 version, and a greedy request interrupted mid-decode on one replica and finished on another with exactly the
-tokens of an uninterrupted run."""
+tokens of an uninterrupted run (also each choice of an n > 1 request, streamed)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -13,6 +14,7 @@ import pytest
 from _procs import replica_busy, start_replica, start_router, wait_for
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
+from psrl._proto import replica_control_pb2, replica_control_pb2_grpc
 from psrl.gateway.processes import stop_processes
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17]
@@ -76,6 +78,54 @@ def test_interrupted_request_finishes_elsewhere_with_identical_tokens(fleet) -> 
     want = [lp for lp, _ in reference["meta_info"]["output_token_logprobs"]]
     assert got == pytest.approx(want, abs=1e-3)
     assert len(out["meta_info"]["output_token_versions"]) == n
+
+
+def test_each_interrupted_choice_finishes_elsewhere_with_identical_tokens(fleet, tokenizer) -> None:
+    """n = 2 with top_k 1 (sampled, so n > 1 is allowed, yet every choice is the greedy run): both choices are
+    interrupted together and each continues on its own on the other replica, streamed as one response."""
+    router, a, b = fleet
+    n = 600
+    reference = httpx.post(f"{router.url}/generate", json=_body("ref-2", n), headers=_psrl(3), timeout=120).json()
+    want = tokenizer.decode(reference["output_ids"])
+    body = {
+        "prompt": PROMPT,
+        "n": 2,
+        "max_tokens": n,
+        "temperature": 1.0,
+        "top_k": 1,
+        "seed": 1,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    result: dict = {"texts": ["", ""], "finishes": [None, None]}
+
+    def read() -> None:
+        with httpx.stream("POST", f"{router.url}/v1/completions", json=body, headers=_psrl(4), timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    for c in event["choices"]:
+                        result["texts"][c["index"]] += c["text"]
+                        result["finishes"][c["index"]] = c["finish_reason"] or result["finishes"][c["index"]]
+                    result["usage"] = event.get("usage") or result.get("usage")
+
+    t = threading.Thread(target=read)
+    t.start()
+    wait_for(lambda: replica_busy(a.url) + replica_busy(b.url) > 0)
+    source = a if replica_busy(a.url) else b
+    [source_id] = [w["id"] for w in httpx.get(f"{router.url}/workers").json()["workers"] if w["url"] == source.url]
+    time.sleep(0.3)
+    httpx.post(f"{router.url}/workers/pause", json=[{"base_worker_id": source_id}])
+    with grpc.insecure_channel(source.url.removeprefix("grpc://")) as ch:  # what a weight sync does there
+        control = replica_control_pb2_grpc.ReplicaControlStub(ch)
+        paused = control.PauseGeneration(replica_control_pb2.PauseGenerationRequest(), timeout=10)
+        assert len(paused.aborted_request_ids) == 2  # both choices
+        t.join(120)
+        control.ResumeGeneration(replica_control_pb2.ResumeGenerationRequest(), timeout=10)
+    httpx.post(f"{router.url}/workers/resume", json=[{"base_worker_id": source_id}])
+    assert result["texts"] == [want, want] and result["finishes"] == ["length", "length"]
+    assert result["usage"]["completion_tokens"] == 2 * n
 
 
 def test_pause_barrier_holds_new_requests_until_resume(fleet) -> None:
