@@ -309,8 +309,9 @@ class Engine:
         kv_capacity = self.cache_config.capacity_tokens
         if prompt_len >= self.max_model_len:
             raise MaxModelLenExceededError(
-                f"request {request_id!r}: prompt of {prompt_len} tokens leaves no room to generate under "
-                f"max_model_len {self.max_model_len}"
+                # vLLM's words: the router (and PSRL) read "maximum model length" as a prompt overflow.
+                f"request {request_id!r}: the prompt (length {prompt_len}) is longer than the maximum model length "
+                f"of {self.max_model_len} minus one token to generate"
             )
         if max_tokens is not None:
             total = min(prompt_len + max_tokens, self.max_model_len)

@@ -24,6 +24,7 @@ class ModelFolder:
     path: Path
     model_config: ModelConfig
     tokenizer: Tokenizer
+    bos_token_id: int | None = None  # config.json's, as vLLM reports it
 
     @property
     def weights_path(self) -> Path | None:
@@ -66,10 +67,12 @@ def load_model_folder(folder: str | Path) -> ModelFolder:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{folder} has no config.json")
-    model_config = ModelConfig.from_hf_config(json.loads(config_file.read_text()))
+    hf_config = json.loads(config_file.read_text())
+    model_config = ModelConfig.from_hf_config(hf_config)
     tokenizer = Tokenizer.from_folder(folder)
     if tokenizer.vocab_size > model_config.vocab_size:
         raise ValueError(
             f"tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is {model_config.vocab_size}"
         )
-    return ModelFolder(path=folder, model_config=model_config, tokenizer=tokenizer)
+    bos = hf_config.get("bos_token_id")
+    return ModelFolder(folder, model_config, tokenizer, bos if isinstance(bos, int) else None)

@@ -58,6 +58,7 @@ from psrl.engine import (
     RequestOutput,
     SamplingOptions,
 )
+from psrl.worker.admission import refused_complete
 from psrl.worker.kv_migration import KvPuller, KvTransferParams
 from psrl.worker.model_folder import ModelFolder
 
@@ -248,7 +249,7 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 if not isinstance(e, AdmissionClosedError):
                     raise
                 logger.info("Generate %s refused: %s", request_id, e.reason)
-                yield vllm_engine_pb2.GenerateResponse(complete=_refused_complete(len(prompt)))
+                yield vllm_engine_pb2.GenerateResponse(complete=refused_complete(len(prompt)))
                 return
             if pending:
                 assert kv_params is not None
@@ -391,7 +392,7 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         tok = self.folder.tokenizer
         max_len = self.engines[0].engine.max_model_len
         pad = tok.token_to_id(tok.pad_token) if tok.pad_token else None
-        bos = tok.token_to_id(tok.bos_token) if tok.bos_token else None
+        bos = self.folder.bos_token_id
         return vllm_engine_pb2.GetModelInfoResponse(
             model_path=str(self.folder.path),
             is_generation=True,
@@ -522,13 +523,6 @@ class _KvMoved:
 
     def report(self) -> str:
         return json.dumps({"moved_tokens": self.tokens})
-
-
-def _refused_complete(num_prompt_tokens: int) -> vllm_engine_pb2.GenerateComplete:
-    """The frame for a Generate refused because admission is closed: "abort" with nothing produced."""
-    return vllm_engine_pb2.GenerateComplete(
-        output_ids=[], finish_reason="abort", prompt_tokens=num_prompt_tokens, completion_tokens=0
-    )
 
 
 async def _pump_kv(

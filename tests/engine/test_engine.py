@@ -216,7 +216,7 @@ def test_validation_errors() -> None:
         engine.add_request("a", [1, 256], greedy())
     with pytest.raises(TokenOutOfRangeError):
         engine.add_request("a", [-1], greedy())
-    with pytest.raises(MaxModelLenExceededError, match="max_model_len 64"):
+    with pytest.raises(MaxModelLenExceededError, match="maximum model length of 64"):
         engine.add_request("a", [1] * 64, SamplingOptions(max_tokens=1))
     with pytest.raises(MaxModelLenExceededError):
         engine.add_request("a", [1] * 64, SamplingOptions(max_tokens=None))

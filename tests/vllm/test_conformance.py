@@ -479,12 +479,6 @@ _NOT_IMPLEMENTED = (
     "the reference engine does not implement {}, so the replica refuses it (INVALID_ARGUMENT, as the README "
     "says); vLLM honours it"
 )
-_OVERFLOW_MESSAGE = (
-    "the reference replica refuses a prompt that leaves no room to generate with INVALID_ARGUMENT as vLLM does, "
-    "but its message ('prompt of N tokens leaves no room to generate under max_model_len M') has none of the "
-    "router's _OVERFLOW_MARKERS, so the router answers invalid_request instead of prompt_overflow"
-)
-
 CASES = [
     # framing and log-probs
     greedy("greedy", finishes("length", ids=12), max_tokens=12),
@@ -598,19 +592,16 @@ CASES = [
         "prompt-fills-the-context",
         at_context(0, temperature=0.0, max_tokens=1),
         refused(says=_OVERFLOW_MARKERS),
-        differs=_OVERFLOW_MESSAGE,
     ),
     Case(
         "prompt-past-the-context",
         at_context(1, temperature=0.0, max_tokens=1),
         refused(says=_OVERFLOW_MARKERS),
-        differs=_OVERFLOW_MESSAGE,
     ),
     Case(
         "text-prompt-past-the-context",  # each "hello " is more than one token
         lambda replica, rid: [request(rid, prompt="hello " * replica.max_len, temperature=0.0, max_tokens=1)],
         refused(says=_OVERFLOW_MARKERS),
-        differs=_OVERFLOW_MESSAGE,
     ),
     # n > 1 and seeds
     Case("n2", one(n=2, **_SAMPLED), finishes("length", ids=6, n=2)),
@@ -799,20 +790,8 @@ INFO: dict[str, tuple[Callable[[vllm_engine_pb2_grpc.VllmEngineStub], Message], 
     ),
     "HealthCheck": (_call("HealthCheck"), vllm_engine_pb2.HealthCheckResponse, {}),
 }
-INFO_DIFFERS = {
-    ("GetModelInfo", "bos_token_id"): "vLLM reports config.json's bos_token_id (0); the reference replica -1 "
-    "(it reads the tokenizer's BOS token, and this tokenizer has none)",
-}
 INFO_FIELDS = [
-    pytest.param(
-        rpc,
-        field.name,
-        rules.get(field.name, SAME),
-        id=f"{rpc}.{field.name}",
-        marks=[pytest.mark.xfail(raises=ReferenceDiffers, strict=True, reason=INFO_DIFFERS[rpc, field.name])]
-        if (rpc, field.name) in INFO_DIFFERS
-        else [],
-    )
+    pytest.param(rpc, field.name, rules.get(field.name, SAME), id=f"{rpc}.{field.name}")
     for rpc, (_, response, rules) in INFO.items()
     for field in response.DESCRIPTOR.fields
     if rules.get(field.name) != NOT_COMPARED

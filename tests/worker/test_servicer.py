@@ -120,7 +120,7 @@ async def test_bad_requests_are_invalid_argument(stub) -> None:
     cases = {
         "empty prompt": _req("e1", stream=False, prompt=[]),
         "outside the vocabulary": _req("e2", stream=False, prompt=[10**6]),
-        "max_model_len": _req("e3", stream=False, prompt=[1] * 5000),
+        "longer than the maximum model length": _req("e3", stream=False, prompt=[1] * 5000),
         "request_id is required": _req("", stream=False),
         "kv_transfer_params_json": bad_kv,
         "neither tokenized input nor text": no_input,
