@@ -1,4 +1,8 @@
-"""`python -m psrl.worker`: one reference replica process serving VllmEngine over gRPC.
+"""`python -m psrl.worker`: one replica process serving VllmEngine over gRPC.
+
+`--engine reference` (the default) runs our reference engine, described here; `--engine vllm` runs vLLM
+behind the stock servicer with the same flags, the same ready line and the same registration
+(psrl/worker/vllm_replica.py).
 
 The same gRPC server also serves `psrl.control.ReplicaControl` (proto/psrl/_proto/replica_control.proto,
 psrl/worker/control.py), the replica side of a weight sync: PauseGeneration (mode ABORT | WAIT | KEEP,
@@ -16,7 +20,8 @@ import argparse
 import asyncio
 import logging
 import signal
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
 
 import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
@@ -27,14 +32,18 @@ from psrl.worker.control import ReplicaControlServicer
 from psrl.worker.grpc_services import add_health_and_reflection
 from psrl.worker.kv_migration import KvMigrationServicer, KvPuller
 from psrl.worker.model_folder import build_tiny_model_folder, load_model_folder
-from psrl.worker.registration import register_with_router, registration_body, wait_until_healthy
+from psrl.worker.registration import registration_body, registration_failed, start_registration
 from psrl.worker.servicer import ReferenceServicer
 
 logger = logging.getLogger("psrl.worker")
 
 
+ENGINES = ("reference", "vllm")
+
+
 @dataclass
 class WorkerArgs:
+    engine: str = "reference"
     host: str = "127.0.0.1"
     port: int = 0
     model: str | None = None
@@ -53,8 +62,11 @@ class WorkerArgs:
     torch_threads: int = 0
     kv_pin_ttl_s: float = 30.0
     kv_shm_pool_mib: int = 512
+    engine_args: list[str] = field(default_factory=list)  # after `--`: vLLM's own engine arguments
 
     def validate(self) -> None:
+        if self.engine_args and self.engine != "vllm":
+            raise ValueError("arguments after -- are vLLM engine arguments; they need --engine vllm")
         if self.dp_size < 1:
             raise ValueError("--dp-size must be >= 1")
         if not 0 <= self.port < 65536:
@@ -66,8 +78,19 @@ class WorkerArgs:
 
 
 def parse_args(argv: list[str] | None = None) -> WorkerArgs:
-    p = argparse.ArgumentParser(prog="python -m psrl.worker", description=__doc__)
+    argv = sys.argv[1:] if argv is None else argv
+    engine_args: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, engine_args = argv[:cut], argv[cut + 1 :]
+    p = argparse.ArgumentParser(prog="python -m psrl.worker [...] [-- vLLM engine arguments]", description=__doc__)
     d = WorkerArgs()
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default=d.engine,
+        help="reference: our reference engine; vllm: vLLM's AsyncLLM behind the stock smg-grpc-servicer",
+    )
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port, help="0 picks a free port (printed at start)")
     p.add_argument(
@@ -106,8 +129,11 @@ def parse_args(argv: list[str] | None = None) -> WorkerArgs:
         help="KV migration: shared memory kept mapped between transfers, on each side (MiB; 0 = a fresh "
         "segment per transfer)",
     )
-    args = WorkerArgs(**vars(p.parse_args(argv)))
-    args.validate()
+    try:
+        args = WorkerArgs(**vars(p.parse_args(argv)), engine_args=engine_args)
+        args.validate()
+    except ValueError as e:
+        p.error(str(e))
     return args
 
 
@@ -150,7 +176,7 @@ async def serve(args: WorkerArgs) -> None:
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
     replica_control_pb2_grpc.add_ReplicaControlServicer_to_server(ReplicaControlServicer(engines), server)
     kv_migration_pb2_grpc.add_KvMigrationServicer_to_server(migration, server)
-    add_health_and_reflection(server, servicer.healthy)
+    health = add_health_and_reflection(server, servicer.healthy)
     await server.start()
     migration.start()
     # One parseable line for launchers that passed --port 0.
@@ -161,9 +187,8 @@ async def serve(args: WorkerArgs) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    registration: asyncio.Task | None = None
-    router_url = args.router
-    if router_url:
+    registration = None
+    if args.router:
         body = registration_body(
             grpc_url=f"grpc://{target}",
             served_model_name=served_name,
@@ -172,32 +197,26 @@ async def serve(args: WorkerArgs) -> None:
             kv_block_size=cache_config.block_size,
             worker_id=args.worker_id,
         )
-
-        async def _register() -> None:
-            await wait_until_healthy(target)
-            await register_with_router(router_url, body, api_key=args.router_api_key)
-
-        def _on_registered(task: asyncio.Task) -> None:
-            if not task.cancelled() and task.exception() is not None:
-                logger.error("registration failed: %s", task.exception())
-                stop.set()  # a replica its router cannot see is of no use: exit non-zero
-
-        registration = asyncio.create_task(_register())
-        registration.add_done_callback(_on_registered)
+        registration = start_registration(target, args.router, body, api_key=args.router_api_key, on_failure=stop.set)
 
     await stop.wait()
     logger.info("shutting down")
+    health.set_not_serving()
     await server.stop(grace=1.0)
     migration.close()
     await kv_puller.close()
     for e in engines:
         e.shutdown()
-    if registration is not None:
-        if registration.done() and not registration.cancelled() and registration.exception() is not None:
-            raise SystemExit(1)
-        registration.cancel()
+    if registration_failed(registration):
+        raise SystemExit(1)
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(parse_args(argv)))
+    args = parse_args(argv)
+    if args.engine == "vllm":
+        from psrl.worker.vllm_replica import serve_vllm
+
+        asyncio.run(serve_vllm(args))
+    else:
+        asyncio.run(serve(args))

@@ -28,6 +28,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from psrl._proto import replica_control_pb2_grpc
 from psrl.worker.admission import AdmissionGate, refused_complete
+from psrl.worker.grpc_services import HEALTH_SERVICE, REPLICA_CONTROL_SERVICE, VLLM_ENGINE_SERVICE
 from psrl.worker.model_folder import WEIGHTS_FILE
 from psrl.worker.registration import registration_body, registration_failed, start_registration
 
@@ -160,7 +161,6 @@ async def serve_vllm(args: WorkerArgs) -> None:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from psrl._proto import replica_control_pb2
     from psrl.worker.vllm_control import VllmReplicaControl
 
     start_time = time.time()
@@ -190,13 +190,9 @@ async def serve_vllm(args: WorkerArgs) -> None:
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
     replica_control_pb2_grpc.add_ReplicaControlServicer_to_server(control, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    services = (
-        vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].full_name,
-        replica_control_pb2.DESCRIPTOR.services_by_name["ReplicaControl"].full_name,
-        "grpc.health.v1.Health",
-        reflection.SERVICE_NAME,
-    )
-    reflection.enable_server_reflection(services, server)
+    # vLLM's own health service (it asks AsyncLLM.check_health); reflection lists what this replica serves.
+    served = (VLLM_ENGINE_SERVICE, REPLICA_CONTROL_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(served, server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     if port == 0:
         raise OSError(f"cannot bind {args.host}:{args.port}")
