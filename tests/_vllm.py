@@ -72,19 +72,29 @@ def wait_healthy(proc: subprocess.Popen, target: str, log: Path, timeout_s: floa
     raise TimeoutError(f"vLLM replica not healthy in {timeout_s}s:\n{log.read_text(errors='replace')}")
 
 
-def start_stock_vllm(model_dir: Path, log_dir: Path, *, args: list[str] | None = None) -> Proc:
-    """`python -m vllm.entrypoints.launchers.grpc_server` (the stock servicer), ready to serve."""
-    port = free_port()
-    log = log_dir / f"stock-vllm-{port}.log"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.grpc_server", *engine_args_of(model_dir)]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), *(args or [])]
-    with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=vllm_env(), start_new_session=True, cwd=REPO
-        )
-    target = f"127.0.0.1:{port}"
-    wait_healthy(proc, target, log)
-    return Proc(proc, f"grpc://{target}", log)
+def start_stock_vllm(model_dir: Path, log_dir: Path, *, args: list[str] | None = None, attempts: int = 3) -> Proc:
+    """`python -m vllm.entrypoints.launchers.grpc_server` (the stock servicer), ready to serve.
+
+    Its launcher takes a fixed port and binds it only after the engine started (seconds later), when another
+    process may have taken the free port we picked: then it is started again on another one."""
+    for attempt in range(attempts):
+        port = free_port()
+        log = log_dir / f"stock-vllm-{port}.log"
+        cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.grpc_server", *engine_args_of(model_dir)]
+        cmd += ["--host", "127.0.0.1", "--port", str(port), *(args or [])]
+        with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=vllm_env(), start_new_session=True, cwd=REPO
+            )
+        target = f"127.0.0.1:{port}"
+        try:
+            wait_healthy(proc, target, log)
+        except RuntimeError:
+            if attempt + 1 < attempts and "Failed to bind" in log.read_text(errors="replace"):
+                continue
+            raise
+        return Proc(proc, f"grpc://{target}", log)
+    raise AssertionError("unreachable")
 
 
 def start_vllm_replica(

@@ -34,11 +34,23 @@ T = TypeVar("T")
 
 
 class SyncError(RuntimeError):
-    """The sync failed; `failed` names the replicas that were taken out of rotation."""
+    """The sync failed; `failed` names the replicas that were taken out of rotation, `reasons` why each failed."""
 
-    def __init__(self, message: str, failed: Sequence[str] = ()) -> None:
+    def __init__(self, message: str, failed: Sequence[str] = (), reasons: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.failed = list(failed)
+        self.reasons = dict(reasons or {})
+
+
+def _failure_reason(error: BaseException) -> str:
+    if isinstance(error, grpc.aio.AioRpcError):
+        if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+            return (
+                "it does not serve psrl.control.ReplicaControl (a stock vLLM servicer? start it as "
+                "`python -m psrl.worker --engine vllm`)"
+            )
+        return f"{error.code().name}: {error.details()}"
+    return f"{type(error).__name__}: {error}"
 
 
 @dataclass(frozen=True)
@@ -168,7 +180,7 @@ class RolloutCoordinator:
         await self.pause_routing()
         t = mark("pause_routing", t)
         aborted = 0
-        failed: list[ReplicaHandle] = []
+        failed: dict[ReplicaHandle, str] = {}  # replica -> why it failed, in the order they failed
         try:
             pauses = await self._each(
                 targets,
@@ -213,24 +225,24 @@ class RolloutCoordinator:
             await self.resume_routing()
             raise
         if failed:
-            await self._fail(failed, "weight sync failed on this replica")
+            await self._fail(list(failed), "weight sync failed on this replica")
         await self.resume_routing()
         mark("resume_routing", t)
         if failed:
-            raise SyncError(
-                f"sync to version {version} failed on {[r.worker_id for r in failed]}", [r.worker_id for r in failed]
-            )
+            reasons = {r.worker_id: why for r, why in failed.items()}
+            detail = "; ".join(f"{wid}: {why}" for wid, why in reasons.items())
+            raise SyncError(f"sync to version {version} failed on {list(reasons)}: {detail}", list(reasons), reasons)
         return SyncReport(version, [r.worker_id for r in targets], aborted, loop.time() - start, phases)
 
-    async def _each(self, replicas: Sequence[ReplicaHandle], rpc, failed: list[ReplicaHandle]) -> list[Any]:
-        """Run an RPC on every replica at once; a replica whose call fails joins `failed`."""
+    async def _each(self, replicas: Sequence[ReplicaHandle], rpc, failed: dict[ReplicaHandle, str]) -> list[Any]:
+        """Run an RPC on every replica at once; a replica whose call fails joins `failed`, with the reason."""
         results = await asyncio.gather(*(rpc(r) for r in replicas), return_exceptions=True)
         out: list[Any] = []
         for replica, result in zip(replicas, results):
             if isinstance(result, BaseException):
-                logger.error("replica %s failed during the sync: %s", replica.worker_id, result)
-                if replica not in failed:
-                    failed.append(replica)
+                reason = _failure_reason(result)
+                logger.error("replica %s failed during the sync: %s", replica.worker_id, reason)
+                failed.setdefault(replica, reason)
                 out.append(None)
             else:
                 out.append(result)

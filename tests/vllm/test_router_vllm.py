@@ -1,6 +1,7 @@
-"""The router in front of a stock vLLM replica (vLLM's launcher with the stock smg-grpc-servicer): every endpoint
-through the official clients, n = 2, stop strings and a TITO session, each checked against what vLLM itself
-samples for the same prompt ids (asked directly over gRPC; greedy or seeded, so reproducible)."""
+"""The router in front of real vLLM: a stock replica (vLLM's launcher with the stock smg-grpc-servicer) and a
+vLLM replica of ours (`python -m psrl.worker --engine vllm`). Every endpoint through the official clients,
+n = 2, stop strings and a TITO session, each checked against what that vLLM itself samples for the same prompt
+ids (asked directly over gRPC; greedy or seeded, so reproducible)."""
 
 from __future__ import annotations
 
@@ -33,9 +34,16 @@ class Sampled:
     matched_stop_str: str | None
 
 
+@pytest.fixture(scope="module", params=["stock", "ours"])
+def replica(request: pytest.FixtureRequest) -> Proc:
+    if request.param == "stock":
+        return request.getfixturevalue("stock_vllm")
+    return request.getfixturevalue("vllm_pair")[0]
+
+
 @pytest.fixture(scope="module")
-def router(stock_vllm: Proc, log_dir: Path) -> Iterator[Proc]:
-    proc = start_router(log_dir, [stock_vllm.url])
+def router(replica: Proc, log_dir: Path) -> Iterator[Proc]:
+    proc = start_router(log_dir, [replica.url])
     yield proc
     stop_processes([proc.proc])
 
@@ -56,8 +64,8 @@ def tok(vllm_model_dir: Path) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def vllm(stock_vllm: Proc) -> Iterator[vllm_engine_pb2_grpc.VllmEngineStub]:
-    with grpc.insecure_channel(stock_vllm.url.removeprefix("grpc://")) as channel:
+def vllm(replica: Proc) -> Iterator[vllm_engine_pb2_grpc.VllmEngineStub]:
+    with grpc.insecure_channel(replica.url.removeprefix("grpc://")) as channel:
         yield vllm_engine_pb2_grpc.VllmEngineStub(channel)
 
 
