@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import grpc
-from _procs import REPO, Proc, free_port, read_ready_line
+from _procs import REPO, Proc, free_port
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from psrl.gateway.processes import stop_processes
@@ -100,13 +100,25 @@ def start_stock_vllm(model_dir: Path, log_dir: Path, *, args: list[str] | None =
 def start_vllm_replica(
     model_dir: Path, log_dir: Path, *, args: list[str] | None = None, engine_args: list[str] | None = None
 ) -> Proc:
-    """`python -m psrl.worker --engine vllm` (ours: the stock servicer + ReplicaControl), ready to serve."""
+    """`python -m psrl.worker --engine vllm` (ours: the stock servicer + ReplicaControl), ready to serve.
+
+    vLLM logs to stdout, so stdout goes to the log file too (an unread pipe would fill and stall the replica);
+    the ready line is read from there."""
     log = log_dir / f"vllm-replica-{time.monotonic_ns()}.log"
     cmd = [sys.executable, "-m", "psrl.worker", "--engine", "vllm", "--model", str(model_dir), "--port", "0"]
     cmd += [*(args or []), "--", *engine_args_of(model_dir)[2:], *(engine_args or [])]
-    with open(log, "wb") as err:
+    with open(log, "wb") as out:
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=err, env=vllm_env(), start_new_session=True, cwd=REPO
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=vllm_env(), start_new_session=True, cwd=REPO
         )
-    url = read_ready_line(proc, log, "PSRL_WORKER_READY", STARTUP_TIMEOUT_S)
-    return Proc(proc, url, log)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace")
+        ready = [line.split()[1] for line in text.splitlines() if line.startswith("PSRL_WORKER_READY ")]
+        if ready:
+            return Proc(proc, ready[0], log)
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM replica exited with {proc.returncode}:\n{text}")
+        time.sleep(0.2)
+    stop_processes([proc])
+    raise TimeoutError(f"vLLM replica not ready in {STARTUP_TIMEOUT_S}s:\n{log.read_text(errors='replace')}")

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 from smg_grpc_proto.generated import vllm_engine_pb2
 
+# Initial-metadata key a replica of ours sends once it admits a Generate. Stock vLLM servicers don't send it;
+# the router then only knows a request started once a frame arrives. It also ends the router's wait for the
+# call to be on the wire (gRPC's wait_for_connection waits for the server's initial metadata).
+ACCEPTED_METADATA_KEY = "x-psrl-accepted"
+
 
 def refused_complete(num_prompt_tokens: int) -> vllm_engine_pb2.GenerateComplete:
     """The frame for a Generate refused because admission is closed: "abort" with nothing produced."""

@@ -58,16 +58,13 @@ from psrl.engine import (
     RequestOutput,
     SamplingOptions,
 )
-from psrl.worker.admission import refused_complete
+from psrl.worker.admission import ACCEPTED_METADATA_KEY, refused_complete
 from psrl.worker.kv_migration import KvPuller, KvTransferParams
 from psrl.worker.model_folder import ModelFolder
 
 logger = logging.getLogger(__name__)
 
 TOKENIZER_CHUNK_BYTES = 64 * 1024
-# Initial-metadata key sent once a Generate is admitted. Stock vLLM servicers don't send it; the router then
-# only knows a request started once a frame arrives.
-ACCEPTED_METADATA_KEY = "x-psrl-accepted"
 _TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",

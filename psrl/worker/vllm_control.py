@@ -49,13 +49,13 @@ class VllmReplicaControl(pb_grpc.ReplicaControlServicer):
         self,
         llm: Any,  # vllm.v1.engine.async_llm.AsyncLLM (imported by the launcher, not here)
         gate: AdmissionGate,
-        queue_depth: Callable[[], Awaitable[tuple[int, int]]],
+        waiting: Callable[[], Awaitable[int]],
         *,
         weight_version: int = 0,
     ) -> None:
         self.llm = llm
         self.gate = gate
-        self.queue_depth = queue_depth  # (running, waiting) over the replica's ranks
+        self.waiting = waiting  # requests queued in the engine, over the replica's ranks (vLLM's last stats)
         self.weight_version = weight_version
         self._sync_lock = asyncio.Lock()
         self._failure_reason: str | None = None
@@ -124,7 +124,6 @@ class VllmReplicaControl(pb_grpc.ReplicaControlServicer):
     async def GetSyncState(
         self, request: pb.GetSyncStateRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetSyncStateResponse:
-        running, waiting = await self.queue_depth()
         if self._failure_reason is not None:
             admission = pb.ADMISSION_FAILED
         elif self.gate.closed_reason is not None:
@@ -134,8 +133,9 @@ class VllmReplicaControl(pb_grpc.ReplicaControlServicer):
         return pb.GetSyncStateResponse(
             paused=await self.llm.is_paused(),
             weight_version=self.weight_version,
-            running_requests=running,
-            waiting_requests=waiting,
+            # Exact, unlike vLLM's stats snapshot (which can still show a request that ended): a sync waits on it.
+            running_requests=len(self.gate.in_flight),
+            waiting_requests=await self.waiting(),
             admission=admission,
             failure_reason=self._failure_reason or "",
         )

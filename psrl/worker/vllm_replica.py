@@ -27,7 +27,7 @@ import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from psrl._proto import replica_control_pb2_grpc
-from psrl.worker.admission import AdmissionGate, refused_complete
+from psrl.worker.admission import ACCEPTED_METADATA_KEY, AdmissionGate, refused_complete
 from psrl.worker.grpc_services import HEALTH_SERVICE, REPLICA_CONTROL_SERVICE, VLLM_ENGINE_SERVICE
 from psrl.worker.model_folder import WEIGHTS_FILE
 from psrl.worker.registration import registration_body, registration_failed, start_registration
@@ -126,6 +126,9 @@ def _gated_servicer_class() -> type:
             self.gate.started(request.request_id)
             finish_reason = None
             try:
+                # At once, not with the first frame (the only one of a non-streamed call comes at its end): the
+                # router's routing loop holds a sync's pause barrier until the call is on the wire.
+                await context.send_initial_metadata(((ACCEPTED_METADATA_KEY, "1"),))
                 if request.stream:
                     async for frame in super().Generate(request, context):
                         if frame.WhichOneof("response") == "complete":
@@ -172,11 +175,11 @@ async def serve_vllm(args: WorkerArgs) -> None:
     gate = AdmissionGate()
     servicer = _gated_servicer_class()(llm, start_time, gate)
 
-    async def queue_depth() -> tuple[int, int]:
+    async def waiting() -> int:
         loads = await servicer.GetLoads(vllm_engine_pb2.GetLoadsRequest(), None)
-        return sum(x.num_running_reqs for x in loads.loads), sum(x.num_waiting_reqs for x in loads.loads)
+        return sum(x.num_waiting_reqs for x in loads.loads)
 
-    control = VllmReplicaControl(llm, gate, queue_depth)
+    control = VllmReplicaControl(llm, gate, waiting)
     health = VllmHealthServicer(llm)
     server = grpc.aio.server(
         options=[

@@ -57,7 +57,7 @@ async def _replica_running(target: str) -> int:
 
 
 def test_sync_interrupts_a_request_that_finishes_with_the_same_ids(router: Proc, vllm_pair, weights) -> None:
-    n = 300
+    n = 1000  # vLLM decodes the tiny model at hundreds of tokens/s here: long enough to be caught mid-decode
 
     async def scenario() -> None:
         async with (
@@ -70,9 +70,9 @@ def test_sync_interrupts_a_request_that_finishes_with_the_same_ids(router: Proc,
             assert len(set(reference["output_ids"])) > 5, "the test model must not repeat one token"
             task = asyncio.ensure_future(client.post("/generate", json=_body(n, PROMPTS[0]), headers=_psrl(2)))
             targets = [p.url.removeprefix("grpc://") for p in vllm_pair]
-            while not any(await asyncio.gather(*(_replica_running(t) for t in targets))):
-                await asyncio.sleep(0.02)
-            await asyncio.sleep(0.3)  # mid-decode
+            while not any(await asyncio.gather(*(_replica_running(t) for t in targets))):  # it reached vLLM
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # mid-decode
             report = await coordinator.sync_weights(1, path=weights)
             assert report.aborted_requests == 1
             r = await task
@@ -89,7 +89,7 @@ def test_sync_interrupts_a_request_that_finishes_with_the_same_ids(router: Proc,
 
 
 def test_concurrent_requests_lose_no_token_over_three_syncs(router: Proc, weights) -> None:
-    n = 120
+    n = 400
 
     async def scenario() -> None:
         async with (
@@ -107,8 +107,8 @@ def test_concurrent_requests_lose_no_token_over_three_syncs(router: Proc, weight
             while (await client.get("/routing_loop/status")).json()["running_request_num"] < 8:
                 await asyncio.sleep(0.02)
             for version in (2, 3, 4):
-                await asyncio.sleep(0.3)
                 await coordinator.sync_weights(version, path=weights)
+                await asyncio.sleep(0.2)
             results = await asyncio.gather(*load)
         interrupted = 0
         for i, r in enumerate(results):

@@ -11,7 +11,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from psrl._proto import replica_control_pb2 as pb
 from psrl._proto import replica_control_pb2_grpc as pb_grpc
-from psrl.worker.servicer import ACCEPTED_METADATA_KEY
+from psrl.worker.admission import ACCEPTED_METADATA_KEY
 
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
 RANKS = (0, 1)

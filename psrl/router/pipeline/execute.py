@@ -32,7 +32,7 @@ from psrl.router.worker_client import WorkerClients
 logger = logging.getLogger(__name__)
 
 _OVERFLOW_MARKERS = ("maximum model length", "maximum context length")
-# Sent by our reference replica once it admits a request (psrl.worker.servicer.ACCEPTED_METADATA_KEY; the
+# Sent by our replicas once they admit a request (psrl.worker.admission.ACCEPTED_METADATA_KEY; the
 # router never imports the worker, they meet on the wire).
 ACCEPTED_METADATA_KEY = "x-psrl-accepted"
 
