@@ -172,10 +172,10 @@ class Dispatcher:
                 await call.wait_sent()
                 ticket.release_handoff()
             await call.start()
-        except RouterError as e:
+        except BaseException as e:  # a RouterError, or cancelled (a sibling choice failed, the client left)
             if call is not None:
                 call.cancel()
-            self.finish(ticket, e)
+            self.finish(ticket, e if isinstance(e, RouterError) else None)
             raise
         return call
 

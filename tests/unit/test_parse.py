@@ -62,11 +62,26 @@ def test_chat_content_parts_and_developer_role() -> None:
         ({"messages": [{"role": "user"}]}, "content is required"),
         ({"messages": MSG, "tools": "x"}, "tools"),
         ({"messages": MSG, "stream_options": 3}, "stream_options"),
+        # what the proto cannot carry: int32 seeds (choice i samples with seed + i), uint32 counts
+        ({"messages": MSG, "seed": 2**31}, "seed"),
+        ({"messages": MSG, "seed": 2**31 - 1, "n": 2}, "seed"),
+        ({"messages": MSG, "seed": -2}, "seed"),
+        ({"messages": MSG, "max_tokens": 2**32}, "max_tokens"),
+        ({"messages": MSG, "min_tokens": 2**32}, "min_tokens"),
+        ({"messages": MSG, "top_k": 2**32}, "top_k"),
     ],
 )
 def test_chat_errors_name_the_problem(body, needle) -> None:
     with pytest.raises(BadRequest, match=needle):
         P.parse_chat(body)
+
+
+def test_seed_minus_one_is_no_seed_as_in_vllm() -> None:
+    assert P.parse_chat({"messages": MSG, "seed": -1}).sampling.seed is None
+    assert P.parse_chat({"messages": MSG, "seed": 2**31 - 2, "n": 2}).sampling.seed == 2**31 - 2
+    body = {"input_ids": [1], "sampling_params": {"sampling_seed": 2**31 - 1, "n": 3}}
+    with pytest.raises(BadRequest, match="sampling_seed"):
+        P.parse_generate(body)
 
 
 def test_completion_prompt_forms() -> None:

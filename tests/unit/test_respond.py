@@ -59,6 +59,9 @@ def test_stop_reasons() -> None:
     assert delta["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "</a>"}
     completion["choices"][0]["stop_reason"] = 9  # a stop token id is no stop sequence
     assert A.chat_to_message(completion)["stop_reason"] == "end_turn"
+    completion["choices"][0].update(finish_reason="tool_calls", stop_reason="</a>")
+    called = A.chat_to_message(completion)  # the sequence is named only when it is why the turn ended
+    assert called["stop_reason"] == "tool_use" and called["stop_sequence"] is None
 
 
 class _Interleaved:

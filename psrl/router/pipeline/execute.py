@@ -70,7 +70,7 @@ def map_rpc_error(e: grpc.aio.AioRpcError, *, started: bool, instance: InstanceS
     code, detail = e.code(), e.details() or ""
     where = f"worker {instance.id.base_worker_id} rank {instance.id.dp_rank}"
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        logger.warning("%s refused the request: %s", where, detail)
+        logger.info("%s refused the request: %s", where, detail)
         if any(m in detail for m in _OVERFLOW_MARKERS):
             return PromptOverflow(detail)
         return BadRequest(detail)

@@ -52,6 +52,21 @@ def get_bool(body: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
+INT32_MAX = 2**31 - 1
+UINT32_MAX = 2**32 - 1  # the proto's uint32 fields: past it a request cannot be encoded
+
+
+def _seed(body: dict[str, Any], name: str = "seed") -> int | None:
+    """vLLM's int32 seed (-1, like unset, is no seed); choice i of an n > 1 request samples with seed + i."""
+    seed = get_int(body, name, None, minimum=-1, maximum=INT32_MAX)
+    if seed is None or seed == -1:
+        return None
+    n = body.get("n", 1)
+    if isinstance(n, int) and not isinstance(n, bool) and seed + n - 1 > INT32_MAX:
+        raise BadRequest(f"'{name}' + n - 1 must fit in an int32 (choice i samples with seed + i)", param=name)
+    return seed
+
+
 def get_int(
     body: dict[str, Any],
     name: str,
@@ -137,13 +152,13 @@ def _common_sampling(body: dict[str, Any], max_tokens: int | None) -> SamplingSp
         top_k=_top_k(body),
         min_p=get_float(body, "min_p", 0.0, minimum=0.0, maximum=1.0) or 0.0,
         max_tokens=max_tokens,
-        min_tokens=get_int(body, "min_tokens", 0, minimum=0) or 0,
+        min_tokens=get_int(body, "min_tokens", 0, minimum=0, maximum=UINT32_MAX) or 0,
         stop=get_stop(body),
         include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
         stop_token_ids=[] if stop_ids is _MISSING else get_token_ids(stop_ids, "stop_token_ids"),
         ignore_eos=get_bool(body, "ignore_eos", False),
         skip_special_tokens=get_bool(body, "skip_special_tokens", True),
-        seed=get_int(body, "seed", None),
+        seed=_seed(body),
         repetition_penalty=get_float(body, "repetition_penalty", 1.0, minimum=0.0, exclusive_min=True) or 1.0,
         presence_penalty=get_float(body, "presence_penalty", 0.0, minimum=-2.0, maximum=2.0) or 0.0,
         frequency_penalty=get_float(body, "frequency_penalty", 0.0, minimum=-2.0, maximum=2.0) or 0.0,
@@ -152,7 +167,7 @@ def _common_sampling(body: dict[str, Any], max_tokens: int | None) -> SamplingSp
 
 
 def _top_k(body: dict[str, Any]) -> int:
-    top_k = get_int(body, "top_k", -1)
+    top_k = get_int(body, "top_k", -1, maximum=UINT32_MAX)
     assert top_k is not None
     if top_k == 0 or top_k < -1:
         raise BadRequest(f"'top_k' must be -1 (off) or >= 1, got {top_k}", param="top_k")
@@ -238,9 +253,9 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def parse_chat(body: dict[str, Any]) -> ChatRequest:
-    max_tokens = get_int(body, "max_completion_tokens", None, minimum=1)
+    max_tokens = get_int(body, "max_completion_tokens", None, minimum=1, maximum=UINT32_MAX)
     if max_tokens is None:
-        max_tokens = get_int(body, "max_tokens", None, minimum=1)
+        max_tokens = get_int(body, "max_tokens", None, minimum=1, maximum=UINT32_MAX)
     logprobs = get_bool(body, "logprobs", False)
     top_logprobs = get_int(body, "top_logprobs", 0, minimum=0, maximum=20) or 0
     if top_logprobs and not logprobs:
@@ -300,7 +315,7 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
     if get_bool(body, "echo", False):
         raise BadRequest("'echo' is not supported", param="echo")
     logprobs = get_int(body, "logprobs", None, minimum=0, maximum=20)
-    sampling = _common_sampling(body, get_int(body, "max_tokens", 16, minimum=1))
+    sampling = _common_sampling(body, get_int(body, "max_tokens", 16, minimum=1, maximum=UINT32_MAX))
     sampling.logprobs = logprobs
     stream = get_bool(body, "stream", False)
     if stream and len(prompts) > 1:
@@ -366,9 +381,10 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequestBody:
         sp = {}
     if not isinstance(sp, dict):
         raise BadRequest("'sampling_params' must be an object", param="sampling_params")
-    max_new = get_int(sp, "max_new_tokens", GENERATE_DEFAULT_MAX_NEW_TOKENS, minimum=1)
+    max_new = get_int(sp, "max_new_tokens", GENERATE_DEFAULT_MAX_NEW_TOKENS, minimum=1, maximum=UINT32_MAX)
     sampling = _common_sampling(sp, max_new)
-    sampling.seed = get_int(sp, "sampling_seed", sampling.seed)
+    if "sampling_seed" in sp:  # SGLang's name for it
+        sampling.seed = _seed(sp, "sampling_seed")
     # SGLang's spelling of include_stop_str_in_output: the returned text keeps the stop string.
     sampling.include_stop_str_in_output = get_bool(sp, "no_stop_trim", sampling.include_stop_str_in_output)
     return_logprob = get_bool(body, "return_logprob", False)

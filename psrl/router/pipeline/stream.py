@@ -59,18 +59,18 @@ async def sse_stream(
         for writer in choices:
             for ch in writer.opening():
                 yield event(ch)
-        finished: list[Generation] = []
+        finished: dict[int, Generation] = {}  # by choice index: usage reads choice 0, as the non-streamed answer
         async for d in source.deltas():
             writer = choices[d.index]
             if d.finished is None:
                 for ch in writer.delta(d):
                     yield event(ch)
             else:
-                finished.append(d.finished)
+                finished[d.index] = d.finished
                 for ch in writer.finish(d.finished):
                     yield event(ch)
         if include_usage:
-            yield R.sse({**envelope, "choices": [], "usage": R.usage(finished)})
+            yield R.sse({**envelope, "choices": [], "usage": R.usage([finished[i] for i in sorted(finished)])})
     except RouterError as e:  # headers are sent: the error travels as an SSE event
         logger.warning("stream %s failed: %s", envelope.get("id"), e.message)
         yield R.sse(e.body())
