@@ -248,6 +248,8 @@ class MessageStream:
         usage (see message_usage: a stream starts before the prompt's cached tokens are known, so message_delta
         carries all of it)."""
         frames = self._close()
+        if stop_reason != "stop_sequence":  # Anthropic names the sequence only when it is why the turn ended
+            stop_sequence = None
         self.message["stop_reason"] = stop_reason
         self.message["stop_sequence"] = stop_sequence
         self.message["usage"] = {**self.message["usage"], **usage}
