@@ -221,11 +221,11 @@ class RolloutCoordinator:
             )
             t = mark("resume_replicas", t)
         except BaseException:
-            await self._fail(targets, "sync aborted")
+            await self._fail(dict.fromkeys(targets, "sync aborted"))
             await self.resume_routing()
             raise
         if failed:
-            await self._fail(list(failed), "weight sync failed on this replica")
+            await self._fail(failed)
         await self.resume_routing()
         mark("resume_routing", t)
         if failed:
@@ -248,13 +248,13 @@ class RolloutCoordinator:
                 out.append(result)
         return out
 
-    async def _fail(self, replicas: Sequence[ReplicaHandle], reason: str) -> None:
+    async def _fail(self, reasons: dict[ReplicaHandle, str]) -> None:
         """Keep failed replicas out of rotation: FailSync on them (best effort) and /workers/pause."""
         await asyncio.gather(
-            *(self._control(r).FailSync(rc.FailSyncRequest(reason=reason), timeout=5.0) for r in replicas),
+            *(self._control(r).FailSync(rc.FailSyncRequest(reason=why), timeout=5.0) for r, why in reasons.items()),
             return_exceptions=True,
         )
-        await self._post("/workers/pause", [{"base_worker_id": r.worker_id} for r in replicas])
+        await self._post("/workers/pause", [{"base_worker_id": r.worker_id} for r in reasons])
 
     # ---- stats --------------------------------------------------------------------------------------------
 

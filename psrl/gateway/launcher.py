@@ -42,7 +42,7 @@ class GatewayConfig:
     # Replicas of the gateway's own, started only when worker_urls is empty.
     replica_engine: str = "reference"  # or "vllm" (python -m psrl.worker --engine vllm)
     embedded_model: str | None = None  # a model folder; default: the tiny one built locally (reference only)
-    embedded_dp_sizes: list[int] = field(default_factory=lambda: [1, 2])
+    embedded_dp_sizes: list[int] | None = None  # one replica per entry; default: [1, 2] reference, [1] vLLM
     replica_engine_args: list[str] = field(default_factory=list)  # vLLM engine arguments for each vLLM replica
     kv_transfer_enable: bool = False  # KV migration on loop-backs (the router's --kv-transfer-enable)
     embedded_seed: int = 0
@@ -51,9 +51,9 @@ class GatewayConfig:
     log_dir: str | None = None
 
     def validate(self) -> None:
-        if not self.worker_urls and not self.embedded_dp_sizes:
+        if not self.worker_urls and not self.replica_dp_sizes:
             raise ValueError("no worker_urls and no embedded replicas: nothing to route to")
-        if any(d < 1 for d in self.embedded_dp_sizes):
+        if any(d < 1 for d in self.replica_dp_sizes):
             raise ValueError("embedded_dp_sizes must all be >= 1")
         if self.replica_engine not in REPLICA_ENGINES:
             raise ValueError(f"replica_engine must be one of {REPLICA_ENGINES}")
@@ -61,6 +61,12 @@ class GatewayConfig:
             raise ValueError("vLLM replicas need a model folder (--model DIR)")
         if self.replica_engine_args and self.replica_engine != "vllm":
             raise ValueError("replica_engine_args are vLLM engine arguments; they need replica_engine vllm")
+
+    @property
+    def replica_dp_sizes(self) -> list[int]:
+        if self.embedded_dp_sizes is not None:
+            return self.embedded_dp_sizes
+        return [1, 2] if self.replica_engine == "reference" else [1]
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> GatewayConfig:
@@ -118,7 +124,7 @@ class RolloutGateway:
             self._wait_router()
             if self.embedded:
                 self._start_embedded()
-            self._wait_workers(len(cfg.worker_urls) or len(cfg.embedded_dp_sizes))
+            self._wait_workers(len(cfg.worker_urls) or len(cfg.replica_dp_sizes))
             if cfg.enable_session_router:
                 self._start_session_router()
         except BaseException:
@@ -137,7 +143,7 @@ class RolloutGateway:
 
     def _start_embedded(self) -> None:
         cfg = self.config
-        for i, dp in enumerate(cfg.embedded_dp_sizes):
+        for i, dp in enumerate(cfg.replica_dp_sizes):
             args = ["--engine", cfg.replica_engine, "--host", cfg.host, "--port", "0", "--router", self.router_url]
             args += ["--dp-size", str(dp), "--seed", str(cfg.embedded_seed), "--worker-id", f"replica-{i}"]
             if cfg.replica_engine == "reference":

@@ -39,6 +39,18 @@ logger = logging.getLogger("psrl.worker")
 
 
 ENGINES = ("reference", "vllm")
+# Settings of the reference engine that a vLLM replica takes from vLLM's own arguments instead.
+REFERENCE_ONLY = (
+    "block_size",
+    "num_blocks",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_prefix_caching",
+    "device",
+    "torch_threads",
+    "kv_pin_ttl_s",
+    "kv_shm_pool_mib",
+)
 
 
 @dataclass
@@ -67,6 +79,18 @@ class WorkerArgs:
     def validate(self) -> None:
         if self.engine_args and self.engine != "vllm":
             raise ValueError("arguments after -- are vLLM engine arguments; they need --engine vllm")
+        if self.engine == "vllm":
+            defaults = WorkerArgs()
+            own = [
+                f"--{name.replace('_', '-')}"
+                for name in REFERENCE_ONLY
+                if getattr(self, name) != getattr(defaults, name)
+            ]
+            if own:
+                raise ValueError(
+                    f"{', '.join(own)}: reference-engine settings; with --engine vllm pass vLLM's own engine "
+                    "arguments after -- (e.g. -- --block-size 16 --max-num-seqs 64)"
+                )
         if self.dp_size < 1:
             raise ValueError("--dp-size must be >= 1")
         if not 0 <= self.port < 65536:

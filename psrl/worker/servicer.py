@@ -254,10 +254,10 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 self._kv_pulls.add(task)
                 task.add_done_callback(self._kv_pulls.discard)
             self._rank_of[request_id] = rank
-            # Tell the router the request is admitted, so a death from here on reads as mid-request (502)
-            # even when no frame has come yet (non-streamed calls).
-            await context.send_initial_metadata(((ACCEPTED_METADATA_KEY, "1"),))
             try:
+                # Tell the router the request is admitted, so a death from here on reads as mid-request (502)
+                # even when no frame has come yet (non-streamed calls).
+                await context.send_initial_metadata(((ACCEPTED_METADATA_KEY, "1"),))
                 if request.stream:
                     async for out in stream:
                         yield vllm_engine_pb2.GenerateResponse(chunk=self._chunk(out, with_top))

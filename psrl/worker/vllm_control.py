@@ -20,6 +20,7 @@ import grpc
 
 from psrl._proto import replica_control_pb2 as pb
 from psrl._proto import replica_control_pb2_grpc as pb_grpc
+from psrl.engine import PauseMode
 from psrl.worker.admission import AdmissionGate
 from psrl.worker.control import PAUSE_MODES, PAUSED_REASON, invalid_argument
 
@@ -59,6 +60,8 @@ class VllmReplicaControl(pb_grpc.ReplicaControlServicer):
         self.weight_version = weight_version
         self._sync_lock = asyncio.Lock()
         self._failure_reason: str | None = None
+        # vLLM points its model config at the folder it last loaded: a single file's folder lives until the next.
+        self._loaded_from: tempfile.TemporaryDirectory[str] | None = None
 
     def _closed_reason(self) -> str:
         if self._failure_reason is not None:
@@ -77,7 +80,13 @@ class VllmReplicaControl(pb_grpc.ReplicaControlServicer):
             self.gate.watch_aborts()
             try:
                 await self.llm.pause_generation(mode=mode.value, clear_cache=request.clear_cache)
-                await self._delivered(running)
+                if mode is PauseMode.ABORT:
+                    # A call admitted just before the gate closed may reach the engine only after the pause
+                    # (queued there until resume): abort it too, so it loops back like the others.
+                    late = list(running & self.gate.in_flight)
+                    if late:
+                        await self.llm.abort(late)
+                    await self._delivered(running)
             finally:
                 aborted = self.gate.take_aborts()
             logger.info("paused (%s): %d request(s) aborted", mode.value, len(aborted))
@@ -98,14 +107,19 @@ class VllmReplicaControl(pb_grpc.ReplicaControlServicer):
         if which != "path":
             await invalid_argument(context, "the vLLM replica loads weights from a path (a safetensors file or folder)")
         async with self._sync_lock:
-            with tempfile.TemporaryDirectory(prefix="psrl-weights-") as scratch:
-                try:
-                    folder = checkpoint_dir(request.path, Path(scratch))
-                    await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
-                except (OSError, ValueError, NotImplementedError) as e:
-                    await invalid_argument(context, f"cannot load {request.path}: {e}")
-                except Exception as e:  # raised inside the engine (a mismatched checkpoint, a dummy loader)
-                    await invalid_argument(context, f"vLLM could not reload {request.path}: {e}")
+            scratch = tempfile.TemporaryDirectory(prefix="psrl-weights-")
+            try:
+                folder = checkpoint_dir(request.path, Path(scratch.name))
+                await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder)})
+            except (OSError, ValueError, NotImplementedError) as e:
+                scratch.cleanup()
+                await invalid_argument(context, f"cannot load {request.path}: {e}")
+            except Exception as e:  # raised inside the engine (a mismatched checkpoint, a dummy loader)
+                scratch.cleanup()
+                await invalid_argument(context, f"vLLM could not reload {request.path}: {e}")
+            if self._loaded_from is not None:
+                self._loaded_from.cleanup()
+            self._loaded_from = scratch
             await self.llm.reset_prefix_cache()
             self.weight_version = request.version
             logger.info("loaded weights version %d from %s", request.version, request.path)

@@ -131,8 +131,8 @@ def _gated_servicer_class() -> type:
                 await context.send_initial_metadata(((ACCEPTED_METADATA_KEY, "1"),))
                 if request.stream:
                     async for frame in super().Generate(request, context):
-                        if frame.WhichOneof("response") == "complete":
-                            finish_reason = frame.complete.finish_reason
+                        if frame.WhichOneof("response") == "complete" and finish_reason != "abort":
+                            finish_reason = frame.complete.finish_reason  # any aborted choice: an abort
                         yield frame
                     return
                 # vLLM's final-only output drops what an aborted request produced; streamed, every token
@@ -144,7 +144,8 @@ def _gated_servicer_class() -> type:
                 async for frame in super().Generate(streamed, context):
                     final.add(frame)
                 for complete in final.completes():
-                    finish_reason = complete.finish_reason
+                    if finish_reason != "abort":
+                        finish_reason = complete.finish_reason
                     yield vllm_engine_pb2.GenerateResponse(complete=complete)
             finally:
                 self.gate.ended(request.request_id, finish_reason)

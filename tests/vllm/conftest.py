@@ -11,8 +11,6 @@ from _vllm import HAS_VLLM, build_vllm_model_folder, start_stock_vllm, start_vll
 
 from psrl.gateway.processes import stop_processes
 
-pytestmark = pytest.mark.vllm
-
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:

@@ -3,16 +3,19 @@ a streamed Generate, and where LoadWeights points vLLM's loader. The replica its
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
+import grpc
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
+from psrl._proto import replica_control_pb2 as rc
 from psrl.gateway.launcher import GatewayConfig
 from psrl.gateway.launcher import parse_args as gateway_args
 from psrl.worker.admission import AdmissionGate
 from psrl.worker.server import parse_args
-from psrl.worker.vllm_control import checkpoint_dir
+from psrl.worker.vllm_control import VllmReplicaControl, checkpoint_dir
 from psrl.worker.vllm_replica import FinalOnly, vllm_argv
 
 
@@ -32,6 +35,9 @@ def test_engine_arguments_need_the_vllm_engine(capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit):
         parse_args(["--", "--dtype", "float32"])
     assert "need --engine vllm" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a reference-engine setting is not silently dropped on vLLM
+        parse_args(["--engine", "vllm", "--model", "/m", "--block-size", "32", "--kv-pin-ttl-s", "0"])
+    assert "--block-size, --kv-pin-ttl-s: reference-engine settings" in capsys.readouterr().err
 
 
 def test_gateway_starts_vllm_replicas_only_with_a_model() -> None:
@@ -42,7 +48,9 @@ def test_gateway_starts_vllm_replicas_only_with_a_model() -> None:
         [1, 1, 1],
         True,
     )
-    assert gateway_args(["--replica-engine", "vllm", "--model", "/m", "--replica-engine-args", "--dtype", "half"])
+    one = gateway_args(["--replica-engine", "vllm", "--model", "/m", "--replica-engine-args", "--dtype", "half"])
+    assert one.replica_dp_sizes == [1] and one.replica_engine_args == ["--dtype", "half"]
+    assert GatewayConfig().replica_dp_sizes == [1, 2]  # the embedded default: two reference replicas
     with pytest.raises(ValueError, match="model folder"):
         GatewayConfig(replica_engine="vllm").validate()
     with pytest.raises(ValueError, match="replica_engine"):
@@ -129,3 +137,109 @@ def test_load_weights_points_the_loader_at_a_folder(tmp_path: Path) -> None:
     (tmp_path / "w.bin").write_bytes(b"")
     with pytest.raises(ValueError, match="safetensors"):
         checkpoint_dir(str(tmp_path / "w.bin"), scratch)
+
+
+class _FakeLLM:
+    """AsyncLLM's methods the control calls, recording them; `pause_generation` ends what is running."""
+
+    def __init__(self, gate: AdmissionGate, queued_late: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+        self.gate, self.queued_late, self.calls, self.paused = gate, set(queued_late), [], False
+
+    async def pause_generation(self, *, mode: str, clear_cache: bool) -> None:
+        self.calls.append(("pause", mode, clear_cache))
+        self.paused = True
+        if mode == "abort":
+            for rid in sorted(self.gate.in_flight - self.queued_late):
+                self.gate.ended(rid, "abort")
+
+    async def abort(self, request_ids: list[str]) -> None:
+        self.calls.append(("abort", sorted(request_ids)))
+        for rid in request_ids:
+            self.gate.ended(rid, "abort")
+
+    async def is_paused(self) -> bool:
+        return self.paused
+
+    async def resume_generation(self) -> None:
+        self.paused = False
+
+    async def collective_rpc(self, method: str, kwargs: dict) -> None:
+        self.calls.append(
+            (method, kwargs["weights_path"], sorted(p.name for p in Path(kwargs["weights_path"]).iterdir()))
+        )
+
+    async def reset_prefix_cache(self) -> None:
+        self.calls.append(("reset_prefix_cache",))
+
+
+class _Refused(Exception):
+    pass
+
+
+class _Context:
+    async def abort(self, code, details: str):
+        raise _Refused(code, details)
+
+
+async def _no_waiting() -> int:
+    return 0
+
+
+def _control(queued_late: set[str] = frozenset()):  # type: ignore[assignment]
+    gate = AdmissionGate()
+    llm = _FakeLLM(gate, queued_late)
+    return VllmReplicaControl(llm, gate, _no_waiting), llm, gate
+
+
+async def test_an_abort_pause_reports_the_aborted_and_aborts_a_late_arrival() -> None:
+    control, llm, gate = _control(queued_late={"late"})
+    for rid in ("a", "late"):
+        gate.started(rid)
+    reply = await control.PauseGeneration(rc.PauseGenerationRequest(mode=rc.PAUSE_MODE_ABORT), _Context())
+    assert sorted(reply.aborted_request_ids) == ["a", "late"] and reply.paused
+    assert llm.calls == [("pause", "abort", False), ("abort", ["late"])]
+    assert gate.closed_reason is not None and gate.in_flight == set()
+    state = await control.GetSyncState(rc.GetSyncStateRequest(), _Context())
+    assert state.admission == rc.ADMISSION_PAUSED and state.running_requests == 0
+
+
+async def test_a_keep_pause_returns_at_once_with_requests_frozen() -> None:
+    control, llm, gate = _control()
+    gate.started("frozen")
+    reply = await asyncio.wait_for(
+        control.PauseGeneration(rc.PauseGenerationRequest(mode=rc.PAUSE_MODE_KEEP), _Context()), timeout=1.0
+    )
+    assert list(reply.aborted_request_ids) == [] and gate.in_flight == {"frozen"}
+    assert (await control.GetSyncState(rc.GetSyncStateRequest(), _Context())).running_requests == 1
+    await control.ResumeGeneration(rc.ResumeGenerationRequest(), _Context())
+    assert gate.closed_reason is None and not llm.paused
+
+
+async def test_load_weights_from_a_file_keeps_its_folder_until_the_next_load(tmp_path: Path) -> None:
+    control, llm, _ = _control()
+    for name in ("v1.safetensors", "v2.safetensors"):
+        (tmp_path / name).write_bytes(b"x")
+    await control.LoadWeights(rc.LoadWeightsRequest(version=1, path=str(tmp_path / "v1.safetensors")), _Context())
+    method, first, files = llm.calls[0]
+    assert (method, files) == ("reload_weights", ["v1.safetensors"]) and Path(first).is_dir()
+    assert llm.calls[1] == ("reset_prefix_cache",) and control.weight_version == 1
+    await control.LoadWeights(rc.LoadWeightsRequest(version=2, path=str(tmp_path / "v2.safetensors")), _Context())
+    assert not Path(first).exists() and control.weight_version == 2  # the previous one is gone only now
+    with pytest.raises(_Refused, match="loads weights from a path"):
+        await control.LoadWeights(rc.LoadWeightsRequest(version=3, seed=3), _Context())
+    with pytest.raises(_Refused, match="no such weights file"):
+        await control.LoadWeights(rc.LoadWeightsRequest(version=3, path=str(tmp_path / "nope")), _Context())
+    assert control.weight_version == 2
+
+
+def test_a_sync_failure_says_why() -> None:
+    from grpc.aio import AioRpcError, Metadata
+
+    from psrl.coordinator.coordinator import _failure_reason
+
+    unimplemented = AioRpcError(grpc.StatusCode.UNIMPLEMENTED, Metadata(), Metadata(), "Method not found!")
+    assert "does not serve psrl.control.ReplicaControl" in _failure_reason(unimplemented)
+    assert "--engine vllm" in _failure_reason(unimplemented)
+    refused = AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, Metadata(), Metadata(), "cannot load /x")
+    assert _failure_reason(refused) == "INVALID_ARGUMENT: cannot load /x"
+    assert _failure_reason(TimeoutError("late")) == "TimeoutError: late"
