@@ -5,6 +5,7 @@ a loop-back ends the continuation where vLLM would have stopped. The replica is 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ import grpc
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
-from psrl.router.dispatch import Rollout
+from psrl.router.dispatch import Dispatcher, Rollout
 from psrl.router.errors import WorkerStreamFailed
 from psrl.router.metadata import RoutingMeta
 from psrl.router.pipeline.context import GenerationInput, SamplingSpec
@@ -276,3 +277,40 @@ def test_the_watch_looks_only_while_a_stop_string_may_span_the_loop_back(tok: To
     # one the continuation holds whole is the replica's to find
     watch = StopAcrossLoopBack.after(tok, sampling, tok.encode("pending <"))
     assert watch is not None and watch.feed(tok.encode("x </answer>")) is None and watch.done
+
+
+class _Silent(_Call):
+    """A Generate that never answers (a non-streamed choice still generating)."""
+
+    def __init__(self) -> None:
+        super().__init__([])
+        self.cancelled = False
+
+    async def read(self) -> Any:
+        await asyncio.Event().wait()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def done(self) -> bool:
+        return self.cancelled
+
+
+async def test_a_dispatch_cancelled_before_its_first_frame_releases_its_ticket() -> None:
+    """A sibling choice failed or the client left while this call waited: its ticket must not leak."""
+    silent = _Silent()
+    replica = _Replica(lambda r: [])
+    replica.Generate = lambda request, timeout=None: silent  # type: ignore[method-assign]
+    dispatcher = Dispatcher.__new__(Dispatcher)
+    dispatcher.clients, dispatcher.request_timeout_s = replica, None  # type: ignore[assignment]
+    released: list[Any] = []
+    dispatcher.finish = lambda ticket, error: released.append(error)  # type: ignore[method-assign]
+    ticket = SimpleNamespace(instance=replica.instance, meta=RoutingMeta(), release_handoff=None)
+    task = asyncio.ensure_future(
+        dispatcher.start_call(ticket, GenerationInput("r", PROMPT, SamplingSpec(max_tokens=4)))  # type: ignore[arg-type]
+    )
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert released == [None] and silent.cancelled  # released once, not as the instance's fault; RPC cancelled
