@@ -45,19 +45,12 @@ class ReplicaControlServicer(pb_grpc.ReplicaControlServicer):
     def paused(self) -> bool:
         return all(e.paused for e in self.engines)
 
-    def _closed_reason(self) -> str:
-        if self._failure_reason is not None:
-            return f"the weight sync failed: {self._failure_reason}"
-        return PAUSED_REASON
-
     async def PauseGeneration(
         self, request: pb.PauseGenerationRequest, context: grpc.aio.ServicerContext
     ) -> pb.PauseGenerationResponse:
-        mode = PAUSE_MODES.get(request.mode)
-        if mode is None:
-            await invalid_argument(context, f"unknown pause mode {request.mode}")
+        mode = await pause_mode(request, context)
         async with self._sync_lock:
-            reason = self._closed_reason()
+            reason = closed_reason(self._failure_reason)
             for engine in self.engines:  # no rank admits anything once any rank starts pausing
                 engine.close_admission(reason)
             per_rank = await asyncio.gather(
@@ -118,9 +111,21 @@ class ReplicaControlServicer(pb_grpc.ReplicaControlServicer):
         # Not behind the sync lock: a failure must close admission even while a pause or load is under way.
         self._failure_reason = request.reason or "no reason given"
         for engine in self.engines:
-            engine.close_admission(self._closed_reason())
+            engine.close_admission(closed_reason(self._failure_reason))
         logger.warning("sync failed: %s", self._failure_reason)
         return pb.FailSyncResponse(weight_version=self.weight_version)
+
+
+def closed_reason(failure: str | None) -> str:
+    """Why a Generate is refused while admission is closed: the pause, or the failed sync."""
+    return PAUSED_REASON if failure is None else f"the weight sync failed: {failure}"
+
+
+async def pause_mode(request: pb.PauseGenerationRequest, context: grpc.aio.ServicerContext) -> PauseMode:
+    mode = PAUSE_MODES.get(request.mode)
+    if mode is None:
+        await invalid_argument(context, f"unknown pause mode {request.mode}")
+    return mode
 
 
 async def invalid_argument(context: grpc.aio.ServicerContext, message: str) -> NoReturn:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 
 import grpc
 import httpx
@@ -82,9 +83,8 @@ async def register_with_router(
             await asyncio.sleep(0.5)
 
 
-def start_registration(target: str, router_url: str, body: dict, *, api_key: str | None, on_failure) -> asyncio.Task:
-    """Register in the background once our own HealthCheck passes; `on_failure()` if that never happens (a
-    replica its router cannot see is of no use: the caller exits non-zero)."""
+def _start_registration(target: str, router_url: str, body: dict, api_key: str | None, on_failure) -> asyncio.Task:
+    """Register in the background once our own HealthCheck passes; `on_failure()` if that never happens."""
 
     async def _register() -> None:
         await wait_until_healthy(target)
@@ -100,11 +100,25 @@ def start_registration(target: str, router_url: str, body: dict, *, api_key: str
     return task
 
 
-def registration_failed(task: asyncio.Task | None) -> bool:
-    """At shutdown: whether a registration ended in an error (then the process exits 1); cancels it otherwise."""
-    if task is None:
+async def serve_until_stopped(
+    target: str, ready_line: str, *, router_url: str | None, body: dict | None, api_key: str | None
+) -> bool:
+    """A serving replica's life: print its ready line (one parseable line for launchers that passed --port 0),
+    register with `router_url` if given, and wait for SIGINT/SIGTERM or a failed registration (a replica its
+    router cannot see is of no use). Returns whether the registration failed: the process then exits 1."""
+    print(ready_line, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    registration = None
+    if router_url and body is not None:
+        registration = _start_registration(target, router_url, body, api_key, stop.set)
+    await stop.wait()
+    logger.info("shutting down")
+    if registration is None:
         return False
-    if task.done() and not task.cancelled() and task.exception() is not None:
+    if registration.done() and not registration.cancelled() and registration.exception() is not None:
         return True
-    task.cancel()
+    registration.cancel()
     return False

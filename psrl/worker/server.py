@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 from dataclasses import dataclass, field
 
@@ -32,7 +31,7 @@ from psrl.worker.control import ReplicaControlServicer
 from psrl.worker.grpc_services import add_health_and_reflection
 from psrl.worker.kv_migration import KvMigrationServicer, KvPuller
 from psrl.worker.model_folder import build_tiny_model_folder, load_model_folder
-from psrl.worker.registration import registration_body, registration_failed, start_registration
+from psrl.worker.registration import registration_body, serve_until_stopped
 from psrl.worker.servicer import ReferenceServicer
 
 logger = logging.getLogger("psrl.worker")
@@ -203,15 +202,7 @@ async def serve(args: WorkerArgs) -> None:
     health = add_health_and_reflection(server, servicer.healthy)
     await server.start()
     migration.start()
-    # One parseable line for launchers that passed --port 0.
-    print(f"PSRL_WORKER_READY grpc://{target} dp_size={args.dp_size} model={served_name}", flush=True)
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-
-    registration = None
+    body = None
     if args.router:
         body = registration_body(
             grpc_url=f"grpc://{target}",
@@ -221,17 +212,15 @@ async def serve(args: WorkerArgs) -> None:
             kv_block_size=cache_config.block_size,
             worker_id=args.worker_id,
         )
-        registration = start_registration(target, args.router, body, api_key=args.router_api_key, on_failure=stop.set)
-
-    await stop.wait()
-    logger.info("shutting down")
+    ready = f"PSRL_WORKER_READY grpc://{target} dp_size={args.dp_size} model={served_name}"
+    failed = await serve_until_stopped(target, ready, router_url=args.router, body=body, api_key=args.router_api_key)
     health.set_not_serving()
     await server.stop(grace=1.0)
     migration.close()
     await kv_puller.close()
     for e in engines:
         e.shutdown()
-    if registration_failed(registration):
+    if failed:
         raise SystemExit(1)
 
 

@@ -22,7 +22,7 @@ from psrl._proto import replica_control_pb2 as pb
 from psrl._proto import replica_control_pb2_grpc as pb_grpc
 from psrl.engine import PauseMode
 from psrl.worker.admission import AdmissionGate
-from psrl.worker.control import PAUSE_MODES, PAUSED_REASON, invalid_argument
+from psrl.worker.control import closed_reason, invalid_argument, pause_mode
 
 logger = logging.getLogger(__name__)
 
@@ -63,19 +63,12 @@ class VllmReplicaControl(pb_grpc.ReplicaControlServicer):
         # vLLM points its model config at the folder it last loaded: a single file's folder lives until the next.
         self._loaded_from: tempfile.TemporaryDirectory[str] | None = None
 
-    def _closed_reason(self) -> str:
-        if self._failure_reason is not None:
-            return f"the weight sync failed: {self._failure_reason}"
-        return PAUSED_REASON
-
     async def PauseGeneration(
         self, request: pb.PauseGenerationRequest, context: grpc.aio.ServicerContext
     ) -> pb.PauseGenerationResponse:
-        mode = PAUSE_MODES.get(request.mode)
-        if mode is None:
-            await invalid_argument(context, f"unknown pause mode {request.mode}")
+        mode = await pause_mode(request, context)
         async with self._sync_lock:
-            self.gate.close(self._closed_reason())
+            self.gate.close(closed_reason(self._failure_reason))
             running = set(self.gate.in_flight)
             self.gate.watch_aborts()
             try:
@@ -157,6 +150,6 @@ class VllmReplicaControl(pb_grpc.ReplicaControlServicer):
     async def FailSync(self, request: pb.FailSyncRequest, context: grpc.aio.ServicerContext) -> pb.FailSyncResponse:
         # Not behind the sync lock: a failure must close admission even while a pause or load is under way.
         self._failure_reason = request.reason or "no reason given"
-        self.gate.close(self._closed_reason())
+        self.gate.close(closed_reason(self._failure_reason))
         logger.warning("sync failed: %s", self._failure_reason)
         return pb.FailSyncResponse(weight_version=self.weight_version)

@@ -15,10 +15,8 @@ files).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import signal
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -30,7 +28,7 @@ from psrl._proto import replica_control_pb2_grpc
 from psrl.worker.admission import ACCEPTED_METADATA_KEY, AdmissionGate, refused_complete
 from psrl.worker.grpc_services import HEALTH_SERVICE, REPLICA_CONTROL_SERVICE, VLLM_ENGINE_SERVICE
 from psrl.worker.model_folder import WEIGHTS_FILE
-from psrl.worker.registration import registration_body, registration_failed, start_registration
+from psrl.worker.registration import registration_body, serve_until_stopped
 
 if TYPE_CHECKING:
     from psrl.worker.server import WorkerArgs
@@ -204,14 +202,7 @@ async def serve_vllm(args: WorkerArgs) -> None:
     await server.start()
     cache = vllm_config.cache_config
     served_name = vllm_config.model_config.served_model_name
-    print(f"PSRL_WORKER_READY grpc://{target} dp_size={args.dp_size} model={served_name} engine=vllm", flush=True)
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-
-    registration = None
+    body = None
     if args.router:
         body = registration_body(
             grpc_url=f"grpc://{target}",
@@ -222,12 +213,10 @@ async def serve_vllm(args: WorkerArgs) -> None:
             kv_block_size=cache.block_size,
             worker_id=args.worker_id,
         )
-        registration = start_registration(target, args.router, body, api_key=args.router_api_key, on_failure=stop.set)
-
-    await stop.wait()
-    logger.info("shutting down")
+    ready = f"PSRL_WORKER_READY grpc://{target} dp_size={args.dp_size} model={served_name} engine=vllm"
+    failed = await serve_until_stopped(target, ready, router_url=args.router, body=body, api_key=args.router_api_key)
     health.set_not_serving()
     await server.stop(grace=1.0)
     llm.shutdown()
-    if registration_failed(registration):
+    if failed:
         raise SystemExit(1)
