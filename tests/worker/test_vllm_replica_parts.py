@@ -1,5 +1,5 @@
 """The vLLM replica's own parts that need no vLLM: its command line, the admission gate, the final-only fold of
-a streamed Generate, and where LoadWeights points vLLM's loader. The replica itself runs in tests/vllm/."""
+a streamed Generate, and where LoadWeights points vLLM's loader. The replica itself runs in tests/real_vllm/."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from psrl.gateway.processes import stop_processes
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if "tests/vllm/" in str(item.fspath):
+        if "tests/real_vllm/" in str(item.fspath):
             item.add_marker(pytest.mark.vllm)
             if not HAS_VLLM:
                 item.add_marker(pytest.mark.skip(reason="vllm and smg-grpc-servicer are not installed"))

@@ -16,7 +16,7 @@ A case where the reference replica still differs names the difference (`differs`
 ReferenceDiffers (strict), so it fails again as soon as the replica conforms, and a failure on vLLM's side
 still fails it.
 
-It lives with the other real-vLLM tests for their marker and their session's stock replica (tests/vllm/conftest.py).
+It lives with the other real-vLLM tests for their marker and the session's stock replica (tests/real_vllm/conftest.py).
 """
 
 from __future__ import annotations
