@@ -26,6 +26,7 @@ import hashlib
 import io
 import random
 import threading
+import time
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from psrl.gateway.processes import stop_processes
 from psrl.router.pipeline.execute import _OVERFLOW_MARKERS
 
 TIMEOUT_S = 120.0
+ABORT_AFTER_S = 1.0  # of decoding before a non-streamed request is aborted: both replicas have ids by then
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
 EOS_IDS = (2, 0)  # config.json's eos_token_id: the tokenizer's EOS, then one vLLM reports as a matched stop id
 # Greedy decoding of this prompt ends with EOS id 0 as its 6th token.
@@ -212,11 +214,13 @@ def abort_after_first_ids(replica: Replica, req: vllm_engine_pb2.GenerateRequest
 
 
 def abort_while_running(replica: Replica, req: vllm_engine_pb2.GenerateRequest) -> Outcome:
-    """Sends `req` (not streamed) and Abort with its id once the replica reports it running."""
+    """Sends `req` (not streamed) and Abort with its id once the replica has run it a while (decoding: an abort
+    still in prefill has no ids to return on either replica, one after it has them on both)."""
     done: list[Outcome] = []
     caller = threading.Thread(target=lambda: done.append(generate(replica, req)))
     caller.start()
     wait_for(lambda: bool(done) or replica.running() > 0, timeout_s=TIMEOUT_S)
+    time.sleep(ABORT_AFTER_S)
     _abort(replica, req.request_id)
     caller.join(TIMEOUT_S)
     return done[0]
@@ -373,7 +377,7 @@ def aborted_mid_stream(o: Outcome) -> None:
 
 
 def aborted_with_ids_so_far(o: Outcome) -> None:
-    assert len(choices(o)[0].ids) < o.request.sampling_params.max_tokens
+    assert 0 < len(choices(o)[0].ids) < o.request.sampling_params.max_tokens
 
 
 def no_kv_transfer_report(o: Outcome) -> None:
