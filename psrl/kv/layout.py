@@ -42,7 +42,9 @@ __all__ = [
     "dtype_itemsize",
 ]
 
-BlockLayout = Literal["NHD", "HND"]
+# "opaque": an in-block order private to the engine (vLLM's CPU backend packs K transposed beside V in each
+# block), so the block is moved as raw bytes, whole, and only between two caches with that same layout.
+BlockLayout = Literal["NHD", "HND", "opaque"]
 BLOCK_LAYOUTS: tuple[str, ...] = get_args(BlockLayout)
 
 # The in-block order of each engine's paged cache.
@@ -50,6 +52,7 @@ ENGINE_BLOCK_LAYOUTS: dict[str, BlockLayout] = {
     "reference": "NHD",  # psrl.engine.kv_cache.PagedKVCache
     "vllm-flash-attn": "NHD",  # vLLM FlashAttention backend
     "vllm-hnd": "HND",  # vLLM backends using the HND stride order
+    "vllm-cpu": "opaque",  # vLLM's CPU backend: per layer [num_blocks, num_kv_heads, block_size, 2 * head_dim]
 }
 
 LAYOUT_DICT_VERSION = 1
@@ -162,7 +165,7 @@ class KVLayoutSpec:
     @property
     def block_shape(self) -> tuple[int, int, int]:
         """Shape of one block of one half (K or V) of one layer."""
-        if self.block_layout == "NHD":
+        if self.block_layout in ("NHD", "opaque"):  # an opaque block has the bytes of an NHD one
             return (self.block_size, self.num_kv_heads, self.head_dim)
         return (self.num_kv_heads, self.block_size, self.head_dim)
 
@@ -215,8 +218,9 @@ def check_compatible(src: KVLayoutSpec | Mapping[str, Any], dst: KVLayoutSpec | 
     """Raise LayoutMismatch unless blocks gathered from ``src`` can be scattered into ``dst``.
 
     Either side may be a spec or its ``to_dict()`` form (as received from the peer). Compared: dtype,
-    num_layers, num_kv_heads, head_dim, block_size. Not compared: block_layout (the buffer is NHD either
-    way) and block counts (each replica has its own capacity).
+    num_layers, num_kv_heads, head_dim, block_size, and block_layout when either side is "opaque" (its bytes
+    mean something only to a cache of the same layout; NHD and HND meet in the NHD buffer). Not compared:
+    block counts (each replica has its own capacity).
     """
     src_spec = src if isinstance(src, KVLayoutSpec) else KVLayoutSpec.from_dict(src)
     dst_spec = dst if isinstance(dst, KVLayoutSpec) else KVLayoutSpec.from_dict(dst)
@@ -225,5 +229,7 @@ def check_compatible(src: KVLayoutSpec | Mapping[str, Any], dst: KVLayoutSpec | 
         for name in _COMPARED
         if getattr(src_spec, name) != getattr(dst_spec, name)
     ]
+    if "opaque" in (src_spec.block_layout, dst_spec.block_layout) and src_spec.block_layout != dst_spec.block_layout:
+        mismatches.append(("block_layout", src_spec.block_layout, dst_spec.block_layout))
     if mismatches:
         raise LayoutMismatch(mismatches)

@@ -1,5 +1,9 @@
-"""KV migration between reference replicas: the source's `psrl.kv.KvMigration` service and the destination's
-pull of a looped-back request's KV (driven by `kv_transfer_params_json` in its GenerateRequest).
+"""KV migration between replicas: the source's `psrl.kv.KvMigration` service and the destination's pull of a
+looped-back request's KV (driven by `kv_transfer_params_json` in its GenerateRequest).
+
+Both engines share it: the service serves whatever a `KvHolder` holds (the reference engine's pinned blocks and
+prefix cache, `EngineKvHolder`; the vLLM connector's pins, psrl/worker/vllm_kv.py), and every destination asks
+its source through one `KvSourceClient` and takes what `tokens_to_take` allows.
 
 The destination pulls: it keeps what its own prefix cache holds of the prompt, and TransferKv asks the source
 to gather the rest of the longest prefix of the destination's prompt that it holds (the request's pin from the
@@ -24,7 +28,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import grpc
 
@@ -91,13 +95,89 @@ async def _in_thread(fn: Callable[..., T], *args: Any, discard: Callable[[T], No
         raise
 
 
-class KvMigrationServicer(kv_migration_pb2_grpc.KvMigrationServicer):
-    """The source side, one instance per replica over its dp ranks' engines; also holds every rank's counters
-    (the destination side, KvPuller, adds to them)."""
+@dataclass(frozen=True)
+class HeldKv:
+    """KV a source lends out for one transfer: the first `num_tokens` tokens asked for have their K/V in
+    `block_ids` of `layers` (token order, from token 0); `release` ends the loan."""
 
-    def __init__(self, engines: list[AsyncEngine], *, shm_pool_bytes: int = 0) -> None:
+    num_tokens: int
+    block_ids: tuple[int, ...]
+    source: str  # "pin" | "prefix_cache"
+    layers: Sequence[Any]  # per-layer caches as psrl.kv.gather_blocks takes them
+    release: Callable[[], None]
+
+
+class KvHolder(Protocol):
+    """Where a replica's source side finds KV, over its dp ranks."""
+
+    @property
+    def num_ranks(self) -> int: ...
+
+    def layout(self, rank: int) -> KVLayoutSpec: ...
+
+    def block_size(self, rank: int) -> int: ...
+
+    def hold(self, rank: int, request_id: str, tokens: Sequence[int], *, allow_prefix_cache: bool) -> HeldKv | None:
+        """The longest prefix of `tokens` held for `request_id` (its pin; with `allow_prefix_cache` and no pin,
+        full blocks of the prefix cache), lent until `release`; None when nothing is held."""
+        ...
+
+    def pin(self, rank: int, request_id: str, ttl_s: float) -> int:
+        """Pin a live request's computed KV; the tokens pinned. InvalidRequestError: not running here;
+        NotImplementedError: this engine pins only when a request ends."""
+        ...
+
+    def unpin(self, rank: int, request_id: str) -> bool: ...
+
+    def prompt_tokens_computed(self, rank: int) -> int: ...
+
+    def num_pinned(self, rank: int) -> int: ...
+
+
+class EngineKvHolder:
+    """The reference engines' KV: pins and prefix cache in their own block pools."""
+
+    def __init__(self, engines: list[AsyncEngine]) -> None:
         self.engines = engines
-        self.counters = [MigrationCounters() for _ in engines]
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.engines)
+
+    def layout(self, rank: int) -> KVLayoutSpec:
+        return layout_of(self.engines[rank])
+
+    def block_size(self, rank: int) -> int:
+        return self.engines[rank].engine.cache_config.block_size
+
+    def hold(self, rank: int, request_id: str, tokens: Sequence[int], *, allow_prefix_cache: bool) -> HeldKv | None:
+        engine = self.engines[rank].engine
+        lease = engine.lease_kv(request_id, tokens, allow_prefix_cache=allow_prefix_cache)
+        if lease is None:
+            return None
+        ids = lease.block_ids
+        return HeldKv(lease.num_tokens, ids, lease.source, engine.kv_cache.layers, lambda: engine.release_blocks(ids))
+
+    def pin(self, rank: int, request_id: str, ttl_s: float) -> int:
+        return self.engines[rank].engine.pin_kv(request_id, ttl_s)
+
+    def unpin(self, rank: int, request_id: str) -> bool:
+        return self.engines[rank].engine.unpin_kv(request_id)
+
+    def prompt_tokens_computed(self, rank: int) -> int:
+        return self.engines[rank].engine.num_prompt_tokens_computed
+
+    def num_pinned(self, rank: int) -> int:
+        return self.engines[rank].engine.num_pinned
+
+
+class KvMigrationServicer(kv_migration_pb2_grpc.KvMigrationServicer):
+    """The source side, one instance per replica over what its `KvHolder` holds; also holds every rank's
+    counters (the destination side adds to them)."""
+
+    def __init__(self, holder: KvHolder, *, shm_pool_bytes: int = 0) -> None:
+        self.holder = holder
+        self.counters = [MigrationCounters() for _ in range(holder.num_ranks)]
         # Segments kept between transfers (0: a fresh segment per transfer); see psrl.kv.ShmPool.
         self.shm_pool = ShmPool(shm_pool_bytes) if shm_pool_bytes > 0 else None
         self._outgoing: dict[str, _Outgoing] = {}
@@ -117,75 +197,76 @@ class KvMigrationServicer(kv_migration_pb2_grpc.KvMigrationServicer):
 
         self._sweeper = asyncio.create_task(sweep())
 
-    async def _rank(self, rank: int, context: grpc.aio.ServicerContext) -> AsyncEngine:
-        if not 0 <= rank < len(self.engines):
-            message = f"data_parallel_rank {rank} is out of range for dp_size {len(self.engines)}"
+    async def _rank(self, rank: int, context: grpc.aio.ServicerContext) -> int:
+        if not 0 <= rank < self.holder.num_ranks:
+            message = f"data_parallel_rank {rank} is out of range for dp_size {self.holder.num_ranks}"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-        return self.engines[rank]
+        return rank
 
     async def PinKv(
         self, request: kv_migration_pb2.PinKvRequest, context: grpc.aio.ServicerContext
     ) -> kv_migration_pb2.PinKvResponse:
-        engine = await self._rank(request.data_parallel_rank, context)
+        rank = await self._rank(request.data_parallel_rank, context)
         try:
-            n = engine.engine.pin_kv(request.request_id, request.ttl_ms / 1000.0)
+            n = self.holder.pin(rank, request.request_id, request.ttl_ms / 1000.0)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except NotImplementedError as e:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(e))
         return kv_migration_pb2.PinKvResponse(num_tokens=n)
 
     async def UnpinKv(
         self, request: kv_migration_pb2.UnpinKvRequest, context: grpc.aio.ServicerContext
     ) -> kv_migration_pb2.UnpinKvResponse:
-        engine = await self._rank(request.data_parallel_rank, context)
-        return kv_migration_pb2.UnpinKvResponse(unpinned=engine.engine.unpin_kv(request.request_id))
+        rank = await self._rank(request.data_parallel_rank, context)
+        return kv_migration_pb2.UnpinKvResponse(unpinned=self.holder.unpin(rank, request.request_id))
 
     async def TransferKv(
         self, request: kv_migration_pb2.TransferKvRequest, context: grpc.aio.ServicerContext
     ) -> kv_migration_pb2.TransferKvResponse:
-        rank = request.data_parallel_rank
-        engine = await self._rank(rank, context)
+        rank = await self._rank(request.data_parallel_rank, context)
         await self._end(self._expired(), read=False)
         if request.channel not in ("", "shm"):
             return kv_migration_pb2.TransferKvResponse(reason=f"channel {request.channel!r} is not served here")
         if request.layout_json:
             try:
-                check_compatible(layout_of(engine), json.loads(request.layout_json))
+                check_compatible(self.holder.layout(rank), json.loads(request.layout_json))
             except (ValueError, LayoutError) as e:
                 return kv_migration_pb2.TransferKvResponse(reason=f"layout mismatch: {e}")
         tokens = list(request.token_ids)[: request.max_tokens or None]
         start = request.start_token
-        if start % engine.engine.cache_config.block_size:
+        block_size = self.holder.block_size(rank)
+        if start % block_size:
             return kv_migration_pb2.TransferKvResponse(reason=f"start_token {start} is not block-aligned")
-        lease = engine.engine.lease_kv(request.request_id, tokens, allow_prefix_cache=request.allow_prefix_cache)
-        if lease is None:
+        held = self.holder.hold(rank, request.request_id, tokens, allow_prefix_cache=request.allow_prefix_cache)
+        if held is None:
             return kv_migration_pb2.TransferKvResponse(reason="no KV held here for this request's tokens")
-        if lease.num_tokens <= start:
-            engine.engine.release_blocks(lease.block_ids)
-            reason = f"the peer already holds {start} tokens; {lease.num_tokens} held here"
-            return kv_migration_pb2.TransferKvResponse(reason=reason)
         try:
+            if held.num_tokens <= start:
+                reason = f"the peer already holds {start} tokens; {held.num_tokens} held here"
+                return kv_migration_pb2.TransferKvResponse(reason=reason)
             channel = await _in_thread(
                 shm_send,
-                engine.engine.kv_cache.layers,
-                list(lease.block_ids[start // engine.engine.cache_config.block_size :]),
-                num_tokens=lease.num_tokens - start,
+                held.layers,
+                list(held.block_ids[start // block_size :]),
+                num_tokens=held.num_tokens - start,
                 pool=self.shm_pool,
                 discard=lambda ch: ch.__exit__(None, None, None),
             )
         finally:
-            engine.engine.release_blocks(lease.block_ids)
+            held.release()
         transfer_id = secrets.token_hex(12)
         self._outgoing[transfer_id] = _Outgoing(channel, rank, request.request_id, request.keep_pin)
         counters = self.counters[rank]
         counters.transfers_out += 1
         counters.bytes_out += channel.transfer.nbytes
         return kv_migration_pb2.TransferKvResponse(
-            num_tokens=lease.num_tokens,
+            num_tokens=held.num_tokens,
             transfer_id=transfer_id,
             transfer_json=json.dumps(channel.transfer.to_dict()),
-            source=lease.source,
+            source=held.source,
             nbytes=channel.transfer.nbytes,
-            block_ids=lease.block_ids,
+            block_ids=held.block_ids,
         )
 
     async def ReleaseKv(
@@ -200,8 +281,7 @@ class KvMigrationServicer(kv_migration_pb2_grpc.KvMigrationServicer):
     async def GetKvMigrationStats(
         self, request: kv_migration_pb2.GetKvMigrationStatsRequest, context: grpc.aio.ServicerContext
     ) -> kv_migration_pb2.KvMigrationStats:
-        rank = request.data_parallel_rank
-        engine = await self._rank(rank, context)
+        rank = await self._rank(request.data_parallel_rank, context)
         c = self.counters[rank]
         return kv_migration_pb2.KvMigrationStats(
             transfers_out=c.transfers_out,
@@ -211,8 +291,8 @@ class KvMigrationServicer(kv_migration_pb2_grpc.KvMigrationServicer):
             tokens_in=c.tokens_in,
             transfer_seconds_in=c.transfer_seconds_in,
             fallbacks=c.fallbacks,
-            prompt_tokens_computed=engine.engine.num_prompt_tokens_computed,
-            pinned_requests=engine.engine.num_pinned,
+            prompt_tokens_computed=self.holder.prompt_tokens_computed(rank),
+            pinned_requests=self.holder.num_pinned(rank),
         )
 
     def _close(self, out: _Outgoing, *, read: bool = False) -> None:
@@ -224,7 +304,7 @@ class KvMigrationServicer(kv_migration_pb2_grpc.KvMigrationServicer):
             else:
                 out.channel.__exit__(None, None, None)  # unlinks the name (if the peer did not) and unmaps
         if not out.keep_pin:
-            self.engines[out.rank].engine.unpin_kv(out.request_id)
+            self.holder.unpin(out.rank, out.request_id)
 
     def _expired(self) -> list[_Outgoing]:
         """Take the transfers no peer acknowledged within the TTL out of the table."""
@@ -342,23 +422,45 @@ def same_server(bound: str) -> Callable[[str], bool]:
     return test
 
 
-def _wanted_tokens(prompt: Sequence[int], params: KvTransferParams) -> int:
-    """How much of the prompt's KV to take: what the params name (all when 0), never the last prompt token
-    (it is always computed here: its logits are needed)."""
-    limit = len(prompt) - 1
-    return min(params.num_tokens, limit) if params.num_tokens else limit
+def tokens_to_take(prompt_len: int, params: KvTransferParams, *, whole_blocks_of: int = 0) -> int:
+    """How much of a prompt's KV a destination takes: what the params name (all when 0), never the last prompt
+    token (it is always computed there: its logits are needed); with `whole_blocks_of`, only whole blocks of
+    that size (an engine whose blocks move only whole)."""
+    limit = prompt_len - 1
+    want = min(params.num_tokens, limit) if params.num_tokens else limit
+    if whole_blocks_of:
+        want -= want % whole_blocks_of
+    return max(want, 0)
 
 
-class KvPuller:
-    """The destination side: fetch a request's KV from its source into reserved blocks of one engine."""
+@dataclass(frozen=True)
+class KvOffer:
+    """A source's answer to TransferKv: tokens [start, num_tokens) gathered into a shared-memory segment, held
+    until `KvSourceClient.release`."""
 
-    def __init__(self, counters: list[MigrationCounters], self_target: str, *, shm_mappings_bytes: int = 0) -> None:
-        self._counters = counters
+    num_tokens: int
+    start: int
+    transfer: ShmTransfer
+    block_ids: tuple[int, ...]  # the source's table from token 0 (psrl.kv.plan_transfer's source side)
+    transfer_id: str
+
+    @property
+    def moved(self) -> int:
+        return self.num_tokens - self.start
+
+
+class KvSourceClient:
+    """A destination's calls to its sources' KvMigration services, shared by the reference replica's puller
+    and the vLLM connector: TransferKv (what the source holds beyond what is here), then ReleaseKv or UnpinKv
+    in the background (a source that never hears them frees the KV at its own TTLs)."""
+
+    def __init__(self, self_target: str) -> None:
         self._is_self = same_server(self_target)  # a source on this replica's own server needs no transfer
-        # Pooled source segments kept mapped between transfers (0: map each one for its transfer only).
-        self.shm_mappings = ShmMappings(shm_mappings_bytes) if shm_mappings_bytes > 0 else None
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._releases: set[asyncio.Task[None]] = set()
+        self._acks: set[asyncio.Task[None]] = set()
+
+    def is_self(self, params: KvTransferParams, rank: int) -> bool:
+        return self._is_self(params.source_target) and params.source_dp_rank == rank
 
     def _stub(self, target: str) -> kv_migration_pb2_grpc.KvMigrationStub:
         channel = self._channels.get(target)
@@ -368,6 +470,92 @@ class KvPuller:
             )
         return kv_migration_pb2_grpc.KvMigrationStub(channel)
 
+    async def offer(
+        self, params: KvTransferParams, prompt: Sequence[int], *, start: int, want: int, layout: KVLayoutSpec
+    ) -> KvOffer | None:
+        """Ask the source for the KV of prompt tokens [start, want) (fewer if it holds fewer); None when it has
+        nothing beyond `start` (logged with its reason). Raises on a broken source or a malformed answer."""
+        reply = await self._stub(params.source_target).TransferKv(
+            kv_migration_pb2.TransferKvRequest(
+                request_id=params.request_id,
+                data_parallel_rank=params.source_dp_rank,
+                token_ids=prompt,
+                max_tokens=want,
+                channel="shm",
+                layout_json=json.dumps(layout.to_dict()),
+                allow_prefix_cache=params.mode != "pin_sync",
+                keep_pin=False,
+                start_token=start,
+            )
+        )
+        if reply.num_tokens == 0:
+            logger.info("KV pull for %s: nothing to move (%s)", params.request_id, reply.reason)
+            return None
+        offer = None
+        try:
+            n = reply.num_tokens
+            if not start < n <= want:
+                raise ValueError(f"the source offered KV up to token {n}; asked for ({start}, {want}]")
+            transfer = ShmTransfer.from_dict(json.loads(reply.transfer_json))
+            offer = KvOffer(n, start, transfer, tuple(reply.block_ids), reply.transfer_id)
+        finally:
+            if offer is None and reply.transfer_id:
+                self._ack(params, kv_migration_pb2.ReleaseKvRequest(transfer_id=reply.transfer_id))
+        return offer
+
+    def release(self, params: KvTransferParams, offer: KvOffer) -> None:
+        """Tell the source the offer's segment is read (or not wanted): it ends the pin and reuses the segment."""
+        self._ack(params, kv_migration_pb2.ReleaseKvRequest(transfer_id=offer.transfer_id))
+
+    def unpin(self, params: KvTransferParams) -> None:
+        """Tell the source its pin is not needed (everything was found here)."""
+        request = kv_migration_pb2.UnpinKvRequest(
+            request_id=params.request_id, data_parallel_rank=params.source_dp_rank
+        )
+        self._ack(params, request)
+
+    def _ack(self, params: KvTransferParams, request: Any) -> None:
+        stub = self._stub(params.source_target)
+        rpc = stub.ReleaseKv if isinstance(request, kv_migration_pb2.ReleaseKvRequest) else stub.UnpinKv
+
+        async def send() -> None:
+            try:
+                await rpc(request, timeout=10)
+            except grpc.RpcError as e:
+                logger.info("%s to the KV source failed (it frees the KV on its own): %s", type(request).__name__, e)
+
+        task = asyncio.create_task(send())
+        self._acks.add(task)
+        task.add_done_callback(self._acks.discard)
+
+    async def close(self) -> None:
+        if self._acks:
+            await asyncio.wait(self._acks, timeout=5)
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+
+def log_fallback(params: KvTransferParams, e: BaseException) -> None:
+    logger.warning(
+        "KV pull for %s from %s failed, recomputing: %s: %s",
+        params.request_id,
+        params.source_target,
+        type(e).__name__,
+        e,
+    )
+
+
+class KvPuller:
+    """The reference replica's destination side: fetch a request's KV from its source into reserved blocks of
+    one engine."""
+
+    def __init__(self, counters: list[MigrationCounters], self_target: str, *, shm_mappings_bytes: int = 0) -> None:
+        self._counters = counters
+        self.client = KvSourceClient(self_target)
+        # Pooled source segments kept mapped between transfers (0: map each one for its transfer only).
+        self.shm_mappings = ShmMappings(shm_mappings_bytes) if shm_mappings_bytes > 0 else None
+
     async def pull(
         self, engine: AsyncEngine, rank: int, prompt: Sequence[int], params: KvTransferParams
     ) -> PreloadedKV | None:
@@ -375,9 +563,9 @@ class KvPuller:
         fallback to recompute, counted) when nothing could be moved within the timeout."""
         counters = self._counters[rank]
         start = time.perf_counter()
-        if self._is_self(params.source_target) and params.source_dp_rank == rank:
+        if self.client.is_self(params, rank):
             # Back on the engine that pinned it: take the pinned blocks over, no copy.
-            want = _wanted_tokens(prompt, params)
+            want = tokens_to_take(len(prompt), params)
             kv = engine.engine.adopt_pin(params.request_id, prompt, want) if want > 0 else None
             if kv is None:
                 counters.fallbacks += 1
@@ -385,13 +573,7 @@ class KvPuller:
         try:
             pulled = await asyncio.wait_for(self._pull(engine, prompt, params), params.timeout_ms / 1000.0)
         except Exception as e:  # any failure (timeout, source gone, channel, no room) only costs a recompute
-            logger.warning(
-                "KV pull for %s from %s failed, recomputing: %s: %s",
-                params.request_id,
-                params.source_target,
-                type(e).__name__,
-                e,
-            )
+            log_fallback(params, e)
             pulled = None
         if pulled is None:
             counters.fallbacks += 1
@@ -408,7 +590,7 @@ class KvPuller:
         self, engine: AsyncEngine, prompt: Sequence[int], params: KvTransferParams
     ) -> tuple[PreloadedKV, int, int] | None:
         """(the request's KV, tokens moved in, bytes moved) or None when the source has nothing for it."""
-        want = _wanted_tokens(prompt, params)
+        want = tokens_to_take(len(prompt), params)
         if want <= 0:
             return None
         # What this engine's prefix cache already holds of the prompt (e.g. the prompt a group of samples
@@ -416,72 +598,37 @@ class KvPuller:
         local = engine.engine.lease_cached_prefix(prompt[:want])
         held = list(local.block_ids) if local is not None else []
         start = local.num_tokens if local is not None else 0
-        stub = self._stub(params.source_target)
         if start >= want:
-            self._background(
-                stub.UnpinKv,
-                kv_migration_pb2.UnpinKvRequest(request_id=params.request_id, data_parallel_rank=params.source_dp_rank),
-            )
+            self.client.unpin(params)
             return PreloadedKV(tuple(held), start, tuple(prompt[:start])), 0, 0
         reserved: list[int] = []
-        transfer_id = ""
+        offer: KvOffer | None = None
         try:
-            reply = await stub.TransferKv(
-                kv_migration_pb2.TransferKvRequest(
-                    request_id=params.request_id,
-                    data_parallel_rank=params.source_dp_rank,
-                    token_ids=prompt,
-                    max_tokens=want,
-                    channel="shm",
-                    layout_json=json.dumps(layout_of(engine).to_dict()),
-                    allow_prefix_cache=params.mode != "pin_sync",
-                    keep_pin=False,
-                    start_token=start,
-                )
-            )
-            transfer_id = reply.transfer_id
-            if reply.num_tokens == 0:
-                logger.info("KV pull for %s: nothing to move (%s)", params.request_id, reply.reason)
+            offer = await self.client.offer(params, prompt, start=start, want=want, layout=layout_of(engine))
+            if offer is None:
                 engine.engine.release_blocks(held)
                 return None
-            n = reply.num_tokens
-            if not start < n <= want:
-                raise ValueError(f"the source offered KV up to token {n}; asked for ({start}, {want}]")
+            n = offer.num_tokens
             reserved = engine.engine.reserve_blocks(n - start)
             table = held + reserved
             block_size = engine.engine.cache_config.block_size
-            plan = plan_transfer(list(reply.block_ids), table, num_tokens=n, block_size=block_size, start=start)
-            transfer = ShmTransfer.from_dict(json.loads(reply.transfer_json))
+            plan = plan_transfer(list(offer.block_ids), table, num_tokens=n, block_size=block_size, start=start)
             await _in_thread(
-                shm_receive, transfer, engine.engine.kv_cache.layers, plan.dst_block_ids, mappings=self.shm_mappings
+                shm_receive,
+                offer.transfer,
+                engine.engine.kv_cache.layers,
+                plan.dst_block_ids,
+                mappings=self.shm_mappings,
             )
         except BaseException:
             engine.engine.release_blocks(held + reserved)
             raise
         finally:
-            if transfer_id:
-                self._background(stub.ReleaseKv, kv_migration_pb2.ReleaseKvRequest(transfer_id=transfer_id))
-        return PreloadedKV(tuple(table), n, tuple(prompt[:n])), n - start, transfer.nbytes
-
-    def _background(self, rpc: Any, request: Any) -> None:
-        """Send an acknowledgement (ReleaseKv, UnpinKv) without waiting: the request need not wait for the
-        source's teardown, and one that never arrives is covered by the source's TTLs."""
-
-        async def send() -> None:
-            try:
-                await rpc(request, timeout=10)
-            except grpc.RpcError as e:
-                logger.info("%s to the KV source failed (it frees the KV on its own): %s", type(request).__name__, e)
-
-        task = asyncio.create_task(send())
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
+            if offer is not None:
+                self.client.release(params, offer)
+        return PreloadedKV(tuple(table), n, tuple(prompt[:n])), n - start, offer.transfer.nbytes
 
     async def close(self) -> None:
-        if self._releases:
-            await asyncio.wait(self._releases, timeout=5)
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
+        await self.client.close()
         if self.shm_mappings is not None:
             self.shm_mappings.close()

@@ -77,7 +77,8 @@ def test_for_engine() -> None:
     assert KVLayoutSpec.for_engine("reference", **kwargs).block_layout == "NHD"  # type: ignore[arg-type]
     assert KVLayoutSpec.for_engine("vllm-flash-attn", **kwargs).block_layout == "NHD"  # type: ignore[arg-type]
     assert KVLayoutSpec.for_engine("vllm-hnd", **kwargs).block_layout == "HND"  # type: ignore[arg-type]
-    assert set(ENGINE_BLOCK_LAYOUTS) == {"reference", "vllm-flash-attn", "vllm-hnd"}
+    assert KVLayoutSpec.for_engine("vllm-cpu", **kwargs).block_layout == "opaque"  # type: ignore[arg-type]
+    assert set(ENGINE_BLOCK_LAYOUTS) == {"reference", "vllm-flash-attn", "vllm-hnd", "vllm-cpu"}
     with pytest.raises(LayoutError, match="unknown engine"):
         KVLayoutSpec.for_engine("sglang", **kwargs)  # type: ignore[arg-type]
 
@@ -134,6 +135,16 @@ def test_block_layout_is_local_to_each_replica() -> None:
     # gather_blocks fills an NHD buffer from either order and scatter_blocks writes the destination's own.
     check_compatible(spec(block_layout="NHD"), spec(block_layout="HND").to_dict())
     assert spec(block_layout="HND").buffer_shape(3) == spec().buffer_shape(3)
+
+
+def test_an_opaque_block_layout_meets_only_its_own() -> None:
+    # vLLM's CPU blocks are raw bytes to us: never scattered into an NHD/HND cache, nor the other way round.
+    check_compatible(spec(block_layout="opaque"), spec(block_layout="opaque").to_dict())
+    for other in ("NHD", "HND"):
+        for src, dst in ((other, "opaque"), ("opaque", other)):
+            with pytest.raises(LayoutMismatch) as info:
+                check_compatible(spec(block_layout=src), spec(block_layout=dst))
+            assert info.value.mismatches == (("block_layout", src, dst),)
 
 
 def test_check_compatible_reports_every_difference() -> None:

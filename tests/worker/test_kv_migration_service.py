@@ -23,6 +23,7 @@ from psrl._proto import kv_migration_pb2_grpc as pb_grpc
 from psrl.engine import AsyncEngine, CacheConfig, Engine, ModelConfig, SamplingOptions
 from psrl.worker import kv_migration
 from psrl.worker.kv_migration import (
+    EngineKvHolder,
     KvMigrationServicer,
     KvPuller,
     KvTransferParams,
@@ -78,7 +79,7 @@ async def _pinned_and_aborted(target: str, engine: AsyncEngine, request_id: str,
 @contextlib.asynccontextmanager
 async def _serving(shm_pool_bytes: int) -> AsyncIterator[tuple[str, KvMigrationServicer]]:
     """A replica's migration service on its own port (a segment per transfer, or `shm_pool_bytes` pooled)."""
-    servicer = KvMigrationServicer([_engine()], shm_pool_bytes=shm_pool_bytes)
+    servicer = KvMigrationServicer(EngineKvHolder([_engine()]), shm_pool_bytes=shm_pool_bytes)
     server = grpc.aio.server()
     pb_grpc.add_KvMigrationServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -88,7 +89,7 @@ async def _serving(shm_pool_bytes: int) -> AsyncIterator[tuple[str, KvMigrationS
     finally:
         await server.stop(0)
         servicer.close()
-        for e in servicer.engines:
+        for e in servicer.holder.engines:
             e.shutdown()
 
 
@@ -106,7 +107,7 @@ async def test_transfer_refusals_say_why(source) -> None:
         assert reply.num_tokens == 0 and "no KV held" in reply.reason
         reply = await stub.TransferKv(pb.TransferKvRequest(request_id="nope", token_ids=PROMPT, channel="nccl"))
         assert reply.num_tokens == 0 and "not served" in reply.reason
-        theirs = layout_of(servicer.engines[0]).to_dict() | {"num_kv_heads": 99}
+        theirs = layout_of(servicer.holder.engines[0]).to_dict() | {"num_kv_heads": 99}
         reply = await stub.TransferKv(
             pb.TransferKvRequest(request_id="nope", token_ids=PROMPT, layout_json=json.dumps(theirs))
         )
@@ -123,7 +124,7 @@ async def test_transfer_refusals_say_why(source) -> None:
 
 async def test_pull_moves_the_pinned_prefix_and_falls_back_when_the_source_is_gone(source) -> None:
     target, servicer = source
-    src = servicer.engines[0]
+    src = servicer.holder.engines[0]
     assert await _pinned_and_aborted(target, src, "r", PROMPT) >= len(PROMPT)
     dest = _engine()
     puller = KvPuller(servicer.counters, "127.0.0.1:1")
@@ -171,7 +172,7 @@ def test_segments_of_dead_processes_are_removed(tmp_path) -> None:
 
 async def test_what_the_destination_holds_already_is_not_moved(source) -> None:
     target, servicer = source
-    src = servicer.engines[0]
+    src = servicer.holder.engines[0]
     prompt = list(range(1, 70))  # 69 tokens: 68 to have, 4 full blocks + 4 tokens
     await _pinned_and_aborted(target, src, "r", prompt)
     dest = _engine()
@@ -216,7 +217,7 @@ async def test_a_cancelled_copy_is_waited_for_and_its_result_discarded() -> None
 
 async def test_transfer_ranges_the_peer_already_holds_are_refused(source) -> None:
     target, servicer = source
-    src = servicer.engines[0]
+    src = servicer.holder.engines[0]
     await _pinned_and_aborted(target, src, "r", PROMPT)
     async with grpc.aio.insecure_channel(target) as ch:
         stub = pb_grpc.KvMigrationStub(ch)
@@ -251,7 +252,7 @@ async def test_a_prompt_the_destination_holds_needs_no_transfer(source) -> None:
 async def test_pooled_segments_serve_the_next_pull() -> None:
     async with _serving(16 << 20) as (target, servicer):
         assert servicer.shm_pool is not None
-        src = servicer.engines[0]
+        src = servicer.holder.engines[0]
         dest = _engine()
         puller = KvPuller(servicer.counters, "127.0.0.1:1", shm_mappings_bytes=16 << 20)
         try:
@@ -280,7 +281,7 @@ async def test_an_unacknowledged_pooled_segment_is_not_reused(monkeypatch: pytes
     monkeypatch.setattr(kv_migration, "UNACKED_TRANSFER_TTL_S", 0.0)  # every transfer expires at the next call
     async with _serving(16 << 20) as (target, servicer):
         assert servicer.shm_pool is not None
-        src = servicer.engines[0]
+        src = servicer.holder.engines[0]
         async for _ in src.generate("w", PROMPT, SamplingOptions(temperature=0.0, max_tokens=1)):
             pass  # PROMPT's 2 full blocks are in the source's prefix cache
         request = pb.TransferKvRequest(request_id="w", token_ids=PROMPT, allow_prefix_cache=True)
@@ -306,7 +307,7 @@ def test_a_replica_knows_its_own_server_under_other_names() -> None:
 
 async def test_a_request_back_on_its_replica_under_another_name_adopts_its_pin(source) -> None:
     target, servicer = source
-    src = servicer.engines[0]
+    src = servicer.holder.engines[0]
     await _pinned_and_aborted(target, src, "r", PROMPT)
     puller = KvPuller(servicer.counters, target)  # bound at 127.0.0.1; the router knows it as localhost
     try:
