@@ -25,11 +25,8 @@ VLLM_ENGINE_SERVICE = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"].
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 # What a replica serves besides the standard services, either kind: VllmEngine, its ReplicaControl, KvMigration.
 REPLICA_CONTROL_SERVICE = replica_control_pb2.DESCRIPTOR.services_by_name["ReplicaControl"].full_name
-REPLICA_SERVICES = (
-    VLLM_ENGINE_SERVICE,
-    REPLICA_CONTROL_SERVICE,
-    kv_migration_pb2.DESCRIPTOR.services_by_name["KvMigration"].full_name,
-)
+KV_MIGRATION_SERVICE = kv_migration_pb2.DESCRIPTOR.services_by_name["KvMigration"].full_name
+REPLICA_SERVICES = (VLLM_ENGINE_SERVICE, REPLICA_CONTROL_SERVICE, KV_MIGRATION_SERVICE)
 
 HealthProbe = Callable[[], Awaitable[bool]]  # True while the engine is healthy; raising counts as unhealthy
 

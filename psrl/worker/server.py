@@ -29,7 +29,7 @@ from psrl._proto import kv_migration_pb2_grpc, replica_control_pb2_grpc
 from psrl.engine import AsyncEngine, CacheConfig, Engine
 from psrl.worker.control import ReplicaControlServicer
 from psrl.worker.grpc_services import add_health_and_reflection
-from psrl.worker.kv_migration import KvMigrationServicer, KvPuller
+from psrl.worker.kv_migration import EngineKvHolder, KvMigrationServicer, KvPuller
 from psrl.worker.model_folder import build_tiny_model_folder, load_model_folder
 from psrl.worker.registration import registration_body, serve_until_stopped
 from psrl.worker.servicer import ReferenceServicer
@@ -47,8 +47,6 @@ REFERENCE_ONLY = (
     "enable_prefix_caching",
     "device",
     "torch_threads",
-    "kv_pin_ttl_s",
-    "kv_shm_pool_mib",
 )
 
 
@@ -73,6 +71,7 @@ class WorkerArgs:
     torch_threads: int = 0
     kv_pin_ttl_s: float = 30.0
     kv_shm_pool_mib: int = 512
+    kv_pin_max_mib: int = 1024  # vLLM replicas: their pins are copies, at most this much of them
     engine_args: list[str] = field(default_factory=list)  # after `--`: vLLM's own engine arguments
 
     def validate(self) -> None:
@@ -98,6 +97,13 @@ class WorkerArgs:
             raise ValueError("--kv-pin-ttl-s must be >= 0")
         if self.kv_shm_pool_mib < 0:
             raise ValueError("--kv-shm-pool-mib must be >= 0")
+        if self.kv_pin_max_mib < 0:
+            raise ValueError("--kv-pin-max-mib must be >= 0")
+        if self.engine != "vllm" and self.kv_pin_max_mib != WorkerArgs.kv_pin_max_mib:
+            raise ValueError(
+                "--kv-pin-max-mib bounds a vLLM replica's pins (--engine vllm); the reference engine "
+                "pins its own blocks"
+            )
 
 
 def parse_args(argv: list[str] | None = None) -> WorkerArgs:
@@ -143,7 +149,8 @@ def parse_args(argv: list[str] | None = None) -> WorkerArgs:
         "--kv-pin-ttl-s",
         type=float,
         default=d.kv_pin_ttl_s,
-        help="a sync abort pins each request's KV this long for a peer to pull (KV migration); 0 = never pin",
+        help="a sync abort pins each request's KV this long for a peer to pull (KV migration; with --engine "
+        "vllm this loads psrl's KV connector into vLLM); 0 = never pin",
     )
     p.add_argument(
         "--kv-shm-pool-mib",
@@ -151,6 +158,12 @@ def parse_args(argv: list[str] | None = None) -> WorkerArgs:
         default=d.kv_shm_pool_mib,
         help="KV migration: shared memory kept mapped between transfers, on each side (MiB; 0 = a fresh "
         "segment per transfer)",
+    )
+    p.add_argument(
+        "--kv-pin-max-mib",
+        type=int,
+        default=d.kv_pin_max_mib,
+        help="--engine vllm: the most memory the KV of aborted requests kept for peers may take (MiB)",
     )
     try:
         args = WorkerArgs(**vars(p.parse_args(argv)), engine_args=engine_args)
@@ -193,7 +206,7 @@ async def serve(args: WorkerArgs) -> None:
     if port == 0:
         raise OSError(f"cannot bind {args.host}:{args.port}")
     target = f"{args.host}:{port}"
-    migration = KvMigrationServicer(engines, shm_pool_bytes=args.kv_shm_pool_mib << 20)
+    migration = KvMigrationServicer(EngineKvHolder(engines), shm_pool_bytes=args.kv_shm_pool_mib << 20)
     kv_puller = KvPuller(migration.counters, target, shm_mappings_bytes=args.kv_shm_pool_mib << 20)
     servicer = ReferenceServicer(engines, folder, served_name, kv_puller)
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)

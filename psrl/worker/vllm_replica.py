@@ -15,8 +15,10 @@ files).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -24,9 +26,14 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from psrl._proto import replica_control_pb2_grpc
+from psrl._proto import kv_migration_pb2_grpc, replica_control_pb2_grpc
 from psrl.worker.admission import ACCEPTED_METADATA_KEY, AdmissionGate, refused_complete
-from psrl.worker.grpc_services import HEALTH_SERVICE, REPLICA_CONTROL_SERVICE, VLLM_ENGINE_SERVICE
+from psrl.worker.grpc_services import (
+    HEALTH_SERVICE,
+    KV_MIGRATION_SERVICE,
+    REPLICA_CONTROL_SERVICE,
+    VLLM_ENGINE_SERVICE,
+)
 from psrl.worker.model_folder import WEIGHTS_FILE
 from psrl.worker.registration import registration_body, serve_until_stopped
 
@@ -61,6 +68,17 @@ def vllm_argv(args: WorkerArgs) -> list[str]:
     ):
         argv += ["--load-format", "dummy"]
     return argv + extra
+
+
+def kv_migration_off_reason(args: WorkerArgs) -> str | None:
+    """Why this vLLM replica runs without psrl's KV connector (None: it loads it)."""
+    if args.kv_pin_ttl_s <= 0:
+        return "--kv-pin-ttl-s is 0"
+    if args.dp_size > 1:
+        return "the connector serves one engine per replica (--dp-size 1)"
+    if any(a.startswith("--kv-transfer-config") for a in args.engine_args):
+        return "the engine arguments name their own --kv-transfer-config"
+    return None
 
 
 class FinalOnly:
@@ -166,8 +184,42 @@ async def serve_vllm(args: WorkerArgs) -> None:
     from psrl.worker.vllm_control import VllmReplicaControl
 
     start_time = time.time()
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+            # A non-streamed Generate is silent while it decodes: the router's keepalive pings are no strikes.
+            ("grpc.http2.max_ping_strikes", 0),
+            ("grpc.keepalive_permit_without_calls", True),
+        ]
+    )
+    # Bound first: KV migration's connector needs the address peers will name this replica by.
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {args.host}:{args.port}")
+    target = f"{args.host}:{port}"
+    argv = vllm_argv(args)
+    off = kv_migration_off_reason(args)
+    side_dir: tempfile.TemporaryDirectory[str] | None = None
+    proxy = None
+    if off is None:
+        from psrl.worker.vllm_kv import KvMigrationProxy, kv_transfer_config
+
+        side_dir = tempfile.TemporaryDirectory(prefix="psrl-kv-")
+        side_channel = f"unix:{side_dir.name}/side.sock"
+        config = kv_transfer_config(
+            self_target=target,
+            side_channel=side_channel,
+            pin_ttl_s=args.kv_pin_ttl_s,
+            shm_pool_bytes=args.kv_shm_pool_mib << 20,
+            pin_max_bytes=args.kv_pin_max_mib << 20,
+        )
+        argv += ["--kv-transfer-config", json.dumps(config)]
+        proxy = KvMigrationProxy(side_channel)
+    else:
+        logger.info("KV migration off: %s", off)
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm engine arguments"))
-    engine_args = AsyncEngineArgs.from_cli_args(parser.parse_args(vllm_argv(args)))
+    engine_args = AsyncEngineArgs.from_cli_args(parser.parse_args(argv))
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     llm = AsyncLLM.from_vllm_config(vllm_config=vllm_config, usage_context=UsageContext.OPENAI_API_SERVER)
 
@@ -180,25 +232,15 @@ async def serve_vllm(args: WorkerArgs) -> None:
 
     control = VllmReplicaControl(llm, gate, waiting)
     health = VllmHealthServicer(llm)
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", 64 << 20),
-            # A non-streamed Generate is silent while it decodes: the router's keepalive pings are no strikes.
-            ("grpc.http2.max_ping_strikes", 0),
-            ("grpc.keepalive_permit_without_calls", True),
-        ]
-    )
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
     replica_control_pb2_grpc.add_ReplicaControlServicer_to_server(control, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    served: tuple[str, ...] = (VLLM_ENGINE_SERVICE, REPLICA_CONTROL_SERVICE, HEALTH_SERVICE)
+    if proxy is not None:
+        kv_migration_pb2_grpc.add_KvMigrationServicer_to_server(proxy, server)
+        served += (KV_MIGRATION_SERVICE,)
     # vLLM's own health service (it asks AsyncLLM.check_health); reflection lists what this replica serves.
-    served = (VLLM_ENGINE_SERVICE, REPLICA_CONTROL_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(served, server)
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
-    if port == 0:
-        raise OSError(f"cannot bind {args.host}:{args.port}")
-    target = f"{args.host}:{port}"
+    reflection.enable_server_reflection((*served, reflection.SERVICE_NAME), server)
     await server.start()
     cache = vllm_config.cache_config
     served_name = vllm_config.model_config.served_model_name
@@ -217,6 +259,10 @@ async def serve_vllm(args: WorkerArgs) -> None:
     failed = await serve_until_stopped(target, ready, router_url=args.router, body=body, api_key=args.router_api_key)
     health.set_not_serving()
     await server.stop(grace=1.0)
+    if proxy is not None:
+        await proxy.close()
     llm.shutdown()
+    if side_dir is not None:
+        side_dir.cleanup()
     if failed:
         raise SystemExit(1)

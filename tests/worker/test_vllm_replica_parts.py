@@ -16,7 +16,7 @@ from psrl.gateway.launcher import parse_args as gateway_args
 from psrl.worker.admission import AdmissionGate
 from psrl.worker.server import parse_args
 from psrl.worker.vllm_control import VllmReplicaControl, checkpoint_dir
-from psrl.worker.vllm_replica import FinalOnly, vllm_argv
+from psrl.worker.vllm_replica import FinalOnly, kv_migration_off_reason, vllm_argv
 
 
 def test_engine_arguments_after_double_dash(tmp_path: Path) -> None:
@@ -36,8 +36,21 @@ def test_engine_arguments_need_the_vllm_engine(capsys: pytest.CaptureFixture[str
         parse_args(["--", "--dtype", "float32"])
     assert "need --engine vllm" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # a reference-engine setting is not silently dropped on vLLM
-        parse_args(["--engine", "vllm", "--model", "/m", "--block-size", "32", "--kv-pin-ttl-s", "0"])
-    assert "--block-size, --kv-pin-ttl-s: reference-engine settings" in capsys.readouterr().err
+        parse_args(["--engine", "vllm", "--model", "/m", "--block-size", "32", "--num-blocks", "8"])
+    assert "--block-size, --num-blocks: reference-engine settings" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the bound on a vLLM replica's pin copies means nothing to the reference engine
+        parse_args(["--kv-pin-max-mib", "8"])
+    assert "--kv-pin-max-mib bounds a vLLM replica's pins" in capsys.readouterr().err
+
+
+def test_kv_migration_loads_the_connector_unless_it_cannot() -> None:
+    def off(*argv: str) -> str | None:
+        return kv_migration_off_reason(parse_args(["--engine", "vllm", "--model", "/m", *argv]))
+
+    assert off() is None  # on by default, as on the reference replica
+    assert off("--kv-pin-ttl-s", "0") == "--kv-pin-ttl-s is 0"
+    assert off("--dp-size", "2") is not None and "--dp-size 1" in str(off("--dp-size", "2"))
+    assert "own --kv-transfer-config" in str(off("--", "--kv-transfer-config", "{}"))
 
 
 def test_gateway_starts_vllm_replicas_only_with_a_model() -> None:
