@@ -50,7 +50,7 @@ from vllm.v1.request import RequestStatus
 
 from psrl._proto import kv_migration_pb2_grpc
 from psrl.kv import KVLayoutSpec, LayoutError, gather_blocks, scatter_blocks
-from psrl.kv.channels import ShmMappings, shm_receive
+from psrl.kv.channels import ShmChannel, ShmMappings, ShmTransfer, shm_receive
 from psrl.worker.kv_migration import (
     HeldKv,
     KvMigrationServicer,
@@ -162,8 +162,23 @@ def cache_views(kv_caches: Sequence[torch.Tensor], block_size: int) -> tuple[lis
     raise LayoutError(f"unsupported vLLM KV cache shape {list(first.shape)}")
 
 
+def _to_device_of(buffer: torch.Tensor, caches: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A host buffer on the caches' device (pins and segments live in host memory; GPU caches do not)."""
+    return buffer.to(caches[0].device) if caches[0].is_cuda else buffer
+
+
 def _copy_blocks(src: Sequence[Any], src_ids: Sequence[int], dst: Sequence[Any], dst_ids: Sequence[int]) -> None:
-    scatter_blocks(gather_blocks(src, list(src_ids)), dst, list(dst_ids))
+    scatter_blocks(_to_device_of(gather_blocks(src, list(src_ids)), dst), dst, list(dst_ids))
+
+
+def _receive(transfer: ShmTransfer, caches: Sequence[torch.Tensor], ids: Sequence[int], mappings: Any) -> None:
+    """Scatter a peer's segment into blocks `ids` (through the device for GPU caches)."""
+    if not caches[0].is_cuda:
+        shm_receive(transfer, caches, list(ids), mappings=mappings)
+        return
+    with ShmChannel.open(transfer, mappings=mappings) as channel:
+        staged = _to_device_of(channel.buffer(torch.empty(0)), caches)  # copied out before the unmap
+    scatter_blocks(staged, caches, list(ids))
 
 
 # ---- what both roles share in the engine-core process ----------------------------------------------
@@ -172,7 +187,7 @@ def _copy_blocks(src: Sequence[Any], src_ids: Sequence[int], dst: Sequence[Any],
 @dataclass
 class _Pin:
     token_ids: tuple[int, ...]  # the tokens whose KV `buffer` holds (whole blocks)
-    buffer: torch.Tensor  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    buffer: torch.Tensor  # host memory, [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
     expires: float
 
     @property
@@ -276,6 +291,8 @@ class _Shared:
         if not self.caches:
             return
         buffer = gather_blocks(self.caches, list(block_ids))
+        if buffer.is_cuda:
+            buffer = buffer.cpu()  # pins live in host memory, beside vLLM's device budget
         pin = _Pin(tuple(token_ids), buffer, time.monotonic() + self.pin_ttl_s)
         if pin.nbytes > self.pin_max_bytes:
             return
@@ -603,7 +620,7 @@ class PsrlKvConnector(KVConnectorBase_V1):
             assert spec.offer is not None
             if spec.offer.transfer.num_ids != len(spec.dst_block_ids):
                 raise ValueError(f"{spec.offer.transfer.num_ids} blocks offered for {len(spec.dst_block_ids)}")
-            shm_receive(spec.offer.transfer, shared.caches, list(spec.dst_block_ids), mappings=shared.mappings)
+            _receive(spec.offer.transfer, shared.caches, spec.dst_block_ids, shared.mappings)
             c = shared.counters
             c.transfers_in += 1
             c.tokens_in += spec.offer.moved

@@ -25,7 +25,7 @@ from psrl._proto import replica_control_pb2 as rc
 from psrl._proto import replica_control_pb2_grpc as rc_grpc
 from psrl.coordinator import RolloutCoordinator
 from psrl.gateway.processes import stop_processes
-from psrl.kv import KVLayoutSpec
+from psrl.kv import KVLayoutSpec, LayoutError
 from psrl.worker.model_folder import WEIGHTS_FILE
 
 BLOCK = 128  # vLLM's CPU block size
@@ -137,6 +137,28 @@ async def _recomputed(dest: str, source: str, rid: str, looped: list[int], n: in
 def _whole_blocks(prompt: list[int]) -> int:
     """The tokens whose KV moves: whole blocks, never the prompt's last token."""
     return (len(prompt) - 1) // BLOCK * BLOCK
+
+
+def test_cache_views_move_whole_blocks_of_either_vllm_layout() -> None:
+    from psrl.worker.vllm_kv import _copy_blocks, cache_views
+
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(0)
+    # vLLM's CPU cache (K transposed beside V in each block: opaque bytes) and a [num_blocks, 2, ...] GPU-style one.
+    for make, layout in (
+        (lambda: torch.randn(8, 2, BLOCK, 64, generator=gen), "opaque"),
+        (lambda: torch.randn(8, 2, BLOCK, 2, 32, generator=gen), "NHD"),
+    ):
+        src_raw, dst_raw = [make() for _ in range(2)], [make() for _ in range(2)]
+        src, spec = cache_views(src_raw, BLOCK)
+        dst, _ = cache_views(dst_raw, BLOCK)
+        assert (spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim) == (2, BLOCK, 2, 32)
+        assert spec.block_layout == layout
+        _copy_blocks(src, [5, 3], dst, [1, 6])
+        for s_layer, d_layer in zip(src_raw, dst_raw, strict=True):
+            assert torch.equal(d_layer[1], s_layer[5]) and torch.equal(d_layer[6], s_layer[3])
+    with pytest.raises(LayoutError, match="block size"):
+        cache_views([torch.zeros(4, 2, 64, 64)], BLOCK)
 
 
 @pytest.fixture(scope="module")
