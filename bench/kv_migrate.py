@@ -418,6 +418,18 @@ def measure_prefix(a: Replica, b: Replica, n: int, repeats: int, rng: np.random.
     )
 
 
+def print_target(rows: Sequence[MigrationRow], where: str) -> None:
+    """The recompute/migrate verdict at RATIO_TARGET_TOKENS, when that size ran."""
+    for r in rows:
+        if r.num_tokens == RATIO_TARGET_TOKENS:
+            verdict = "met" if r.ratio >= RATIO_TARGET else "NOT met"
+            print(
+                f"target  : recompute/migrate >= {RATIO_TARGET:.0f}x at {RATIO_TARGET_TOKENS} tokens{where}: "
+                f"{verdict} ({r.ratio:.1f}x)"
+            )
+            return
+
+
 def part_b(args: argparse.Namespace, log_dir: Path) -> tuple[list[MigrationRow], dict[str, Any]]:
     sizes = args.sizes
     block_size = 16
@@ -494,14 +506,7 @@ def part_b(args: argparse.Namespace, log_dir: Path) -> tuple[list[MigrationRow],
             a.channel.close()
             b.channel.close()
     info["loadavg_after"] = os.getloadavg()
-    target_rows = [r for r in rows if r.num_tokens == RATIO_TARGET_TOKENS]
-    if target_rows:
-        ratio = target_rows[0].ratio
-        verdict = "met" if ratio >= RATIO_TARGET else "NOT met"
-        print(
-            f"target  : recompute/migrate >= {RATIO_TARGET:.0f}x at {RATIO_TARGET_TOKENS} tokens: "
-            f"{verdict} ({ratio:.1f}x)"
-        )
+    print_target(rows, "")
     print(
         "columns : ratio = recompute / migrate (wall time of B's Generate call); pull = B's transfer_seconds_in\n"
         "          delta (TransferKv: lease + gather into a pooled shm segment on A; scatter on B; ReleaseKv);\n"
@@ -953,14 +958,7 @@ def part_d(args: argparse.Namespace, log_dir: Path) -> tuple[list[VllmMigrationR
             a.channel.close()
             b.channel.close()
     info["loadavg_after"] = os.getloadavg()
-    target_rows = [r for r in rows if r.num_tokens == RATIO_TARGET_TOKENS]
-    if target_rows:
-        ratio = target_rows[0].ratio
-        verdict = "met" if ratio >= RATIO_TARGET else "NOT met"
-        print(
-            f"target  : recompute/migrate >= {RATIO_TARGET:.0f}x at {RATIO_TARGET_TOKENS} tokens (CPU): "
-            f"{verdict} ({ratio:.1f}x)"
-        )
+    print_target(rows, " (CPU)")
     print(
         "columns : looped = the prompt B runs (N + 1 + the tokens A made before its abort); moved = the migrate\n"
         "          call's moved_tokens (its whole 128-token blocks but the last token); ratio = recompute /\n"
