@@ -52,6 +52,7 @@ from psrl._proto import kv_migration_pb2_grpc
 from psrl.kv import KVLayoutSpec, LayoutError, gather_blocks, scatter_blocks
 from psrl.kv.channels import ShmChannel, ShmMappings, ShmTransfer, shm_receive
 from psrl.worker.kv_migration import (
+    UNACKED_TRANSFER_TTL_S,
     HeldKv,
     KvMigrationServicer,
     KvOffer,
@@ -83,6 +84,8 @@ def kv_transfer_config(
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": __name__,
         "kv_role": "kv_both",
+        # A copy that fails after allocation recomputes the request's blocks (vLLM's default fails the request).
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
             "self_target": self_target,
             "side_channel": side_channel,
@@ -142,7 +145,7 @@ def cache_views(kv_caches: Sequence[torch.Tensor], block_size: int) -> tuple[lis
     are described by their strides.
     """
     first = kv_caches[0]
-    if first.dim() == 4:
+    if first.dim() == 4 and not first.is_cuda:
         num_blocks, heads, tokens, width = first.shape
         if tokens != block_size or width % 2 or not first.is_contiguous():
             raise LayoutError(f"unexpected vLLM CPU cache {list(first.shape)} for block size {block_size}")
@@ -243,8 +246,6 @@ class _Shared:
         self.mappings = ShmMappings(self.shm_pool_bytes) if self.shm_pool_bytes > 0 else None
         self._pins: OrderedDict[str, _Pin] = OrderedDict()  # by the caller's request id, oldest first
         self._pins_lock = threading.Lock()
-        self.pending_pins: dict[str, _Pin] = {}  # requests back on this replica, until the worker copies their pin
-        self.failed_loads: set[str] = set()  # destination requests whose copy failed (their blocks recompute)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="psrl-kv", daemon=True)
         self._thread.start()
@@ -288,14 +289,12 @@ class _Shared:
     # ---- pins ----
 
     def pin(self, request_id: str, token_ids: Sequence[int], block_ids: Sequence[int]) -> None:
-        if not self.caches:
+        if not self.caches or self.layout is None or self.layout.transfer_nbytes(len(block_ids)) > self.pin_max_bytes:
             return
         buffer = gather_blocks(self.caches, list(block_ids))
         if buffer.is_cuda:
             buffer = buffer.cpu()  # pins live in host memory, beside vLLM's device budget
         pin = _Pin(tuple(token_ids), buffer, time.monotonic() + self.pin_ttl_s)
-        if pin.nbytes > self.pin_max_bytes:
-            return
         with self._pins_lock:
             self._pins.pop(request_id, None)
             self._pins[request_id] = pin
@@ -383,16 +382,27 @@ class _PinHolder:
 # ---- the connector ---------------------------------------------------------------------------------
 
 
+@dataclass
+class _Outcome:
+    """What the worker side found when it copied a load in (both roles hold it: they share the process)."""
+
+    done: bool = False
+    failed: bool = False
+
+
 @dataclass(frozen=True)
 class _LoadSpec:
     """One request's load, from the scheduler side to the worker side."""
 
     request_id: str
     load_async: bool
+    first_block: int  # index in the request's table of the first loaded block (the local hit's end)
     dst_block_ids: tuple[int, ...]
     offer: KvOffer | None  # from a peer, through shared memory
+    pin: _Pin | None  # back on its own replica: its pin (blocks from `first_block` on are copied)
     params: KvTransferParams
     started: float
+    outcome: _Outcome
 
 
 @dataclass
@@ -410,9 +420,10 @@ class _Load:
     probe: concurrent.futures.Future[KvOffer | None] | None = None
     offer: KvOffer | None = None
     pin: _Pin | None = None  # back on its own replica: its pin
-    num_tokens: int = 0  # the end of the loaded range (0: nothing loaded)
+    num_tokens: int = 0  # the end of the range to load (0: nothing to load)
+    not_prefilled: int = 0  # what the complete frame reports as moved_tokens
     decided: bool = False
-    scheduled: bool = False
+    outcome: _Outcome | None = None  # set once the load is handed to the worker
 
 
 def _caller_id(request_id: str) -> str:
@@ -442,15 +453,20 @@ class PsrlKvConnector(KVConnectorBase_V1):
         self._loads: dict[str, _Load] = {}
         self._to_start: list[_LoadSpec] = []
         # worker role
-        self._async: dict[str, tuple[_LoadSpec, concurrent.futures.Future[None]]] = {}
+        self._async: dict[str, concurrent.futures.Future[None]] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="psrl-kv-load")
         self._load_errors: set[int] = set()
+        self._errors_lock = threading.Lock()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # nothing is handed off when a request finishes: a pin is a copy made at once
 
     # ---- scheduler side: destination ----
 
     def _params(self, request: Request) -> KvTransferParams | None:
         data = request.kv_transfer_params
-        if not data or "source" not in data:
+        if not data or "source" not in data or request.skip_reading_prefix_cache:
             return None
         try:
             return KvTransferParams.from_dict(data)
@@ -465,18 +481,23 @@ class PsrlKvConnector(KVConnectorBase_V1):
             if params is None or self.shared.layout is None:
                 return 0, False
             load = self._loads[request.request_id] = self._begin(request, params, num_computed_tokens)
+        if load.outcome is not None:
+            return 0, False  # loaded once already: a preempted request recomputes what it lost
         if not load.decided:
             assert load.probe is not None
             if not load.probe.done():
                 if time.monotonic() - load.started < load.params.timeout_ms / 1000.0:
                     return None, False  # asked again next step
-                load.probe.cancel()
-                self._fall_back(load, TimeoutError(f"no answer in {load.params.timeout_ms} ms"))
-            else:
-                self._answered(load)
+                if load.probe.cancel():
+                    self._fall_back(load, TimeoutError(f"no answer in {load.params.timeout_ms} ms"))
+                    return 0, False
+            self._answered(load)
         if load.num_tokens and num_computed_tokens != load.start:
             # The local hit changed while the source was asked: the segment starts elsewhere.
             self._fall_back(load, ValueError(f"local prefix hit moved from {load.start} to {num_computed_tokens}"))
+        elif load.offer is not None and time.monotonic() - load.started > UNACKED_TRANSFER_TTL_S / 2:
+            # Waited for room so long that the source may give the segment up before it is read.
+            self._fall_back(load, TimeoutError("the answered KV waited too long for free blocks"))
         if not load.num_tokens:
             return 0, False
         return load.num_tokens - num_computed_tokens, load.params.mode == "async"
@@ -488,6 +509,7 @@ class PsrlKvConnector(KVConnectorBase_V1):
         is_self = self.shared.client.is_self(params, 0)
         if want <= num_computed:  # what it needs is here already (e.g. its own blocks in the prefix cache)
             load.decided = True
+            load.not_prefilled = num_computed
             if is_self:
                 self.shared.take_pin(params.request_id)
             else:
@@ -527,10 +549,10 @@ class PsrlKvConnector(KVConnectorBase_V1):
 
     def _fall_back(self, load: _Load, e: BaseException) -> None:
         load.decided = True
-        if load.num_tokens or load.probe is not None or load.pin is not None:
-            log_fallback(load.params, e)
-            self.shared.counters.fallbacks += 1
+        log_fallback(load.params, e)
+        self.shared.counters.fallbacks += 1
         load.num_tokens = 0
+        load.pin = None
         self._release(load)
 
     def _release(self, load: _Load) -> None:
@@ -540,16 +562,29 @@ class PsrlKvConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         load = self._loads.get(request.request_id)
-        if load is None or num_external_tokens == 0 or load.scheduled or not load.num_tokens:
+        if load is None or load.outcome is not None or not load.num_tokens:
             return
-        load.scheduled = True
+        if num_external_tokens == 0:  # vLLM took none of it after all
+            load.num_tokens, load.pin = 0, None
+            self._release(load)
+            return
         table = blocks.get_block_ids()[0]
         first = load.start // self.block_size
         dst = tuple(table[first : first + num_external_tokens // self.block_size])
-        if load.pin is not None:  # its own pin: no offer, the worker copies from the pin buffer
-            self.shared.pending_pins[request.request_id] = load.pin
-        spec = _LoadSpec(request.request_id, load.params.mode == "async", dst, load.offer, load.params, load.started)
-        load.offer = None  # the worker releases it once read
+        load.outcome = _Outcome()
+        load.not_prefilled = load.num_tokens
+        spec = _LoadSpec(
+            request.request_id,
+            load.params.mode == "async",
+            first,
+            dst,
+            load.offer,
+            load.pin,
+            load.params,
+            load.started,
+            load.outcome,
+        )
+        load.offer = load.pin = None  # the worker releases the offer once read
         self._to_start.append(spec)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -561,27 +596,25 @@ class PsrlKvConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         load = self._loads.pop(request.request_id, None)
         reply = None
+        valid = request.num_computed_tokens - request.num_in_flight_tokens  # KV written by finished steps
         if load is not None:
-            if load.probe is not None and not load.decided:
-                load.probe.cancel()
-                load.decided = True
+            if load.probe is not None and not load.decided and not load.probe.cancel():
                 with contextlib.suppress(Exception):
-                    load.offer = load.probe.result(timeout=0) if load.probe.done() else None
+                    load.offer = load.probe.result(timeout=0)
             self._release(load)
-            self.shared.pending_pins.pop(request.request_id, None)
-            moved = load.num_tokens - load.start if load.num_tokens and load.scheduled else 0
-            if request.request_id in self.shared.failed_loads:
-                self.shared.failed_loads.discard(request.request_id)
-                moved = 0
+            outcome = load.outcome
+            if outcome is not None and (outcome.failed or not outcome.done):
+                valid = min(valid, load.start)  # its loaded blocks are not (all) written
+            moved = 0 if outcome is not None and outcome.failed else load.not_prefilled
             reply = {"moved_tokens": moved}
         if request.status == RequestStatus.FINISHED_ABORTED and self.shared.pin_ttl_s > 0:
-            self._pin(request, _block_table(block_ids))
+            self._pin(request, _block_table(block_ids), valid)
         return False, reply
 
-    def _pin(self, request: Request, table: list[int]) -> None:
+    def _pin(self, request: Request, table: list[int], valid: int) -> None:
         tokens = request.all_token_ids
         # The last token's KV may still be in flight (computed by the step that samples the next one).
-        n = min(request.num_computed_tokens, len(tokens) - 1)
+        n = min(valid, len(tokens) - 1)
         n -= n % self.block_size
         if n <= 0:
             return
@@ -605,34 +638,37 @@ class PsrlKvConnector(KVConnectorBase_V1):
         assert isinstance(meta, _Meta)
         for spec in meta.loads:
             if spec.load_async:
-                self._async[spec.request_id] = (spec, self._pool.submit(self._load, spec))
+                self._async[spec.request_id] = self._pool.submit(self._load, spec)
             else:
-                with contextlib.suppress(Exception):  # reported as load errors
-                    self._load(spec)
+                self._load(spec)
 
     def _load(self, spec: _LoadSpec) -> None:
+        """Copy one request's KV into its blocks; a failure is logged and its blocks reported as load errors."""
         shared = self.shared
         try:
-            pin = shared.pending_pins.pop(spec.request_id, None)
-            if pin is not None:
-                _copy_blocks(pin.layers, range(len(spec.dst_block_ids)), shared.caches, spec.dst_block_ids)
-                return
-            assert spec.offer is not None
-            if spec.offer.transfer.num_ids != len(spec.dst_block_ids):
-                raise ValueError(f"{spec.offer.transfer.num_ids} blocks offered for {len(spec.dst_block_ids)}")
-            _receive(spec.offer.transfer, shared.caches, spec.dst_block_ids, shared.mappings)
-            c = shared.counters
-            c.transfers_in += 1
-            c.tokens_in += spec.offer.moved
-            c.bytes_in += spec.offer.transfer.nbytes
-            c.transfer_seconds_in += time.monotonic() - spec.started
+            if spec.pin is not None:
+                ids = range(spec.first_block, spec.first_block + len(spec.dst_block_ids))
+                _copy_blocks(spec.pin.layers, ids, shared.caches, spec.dst_block_ids)
+            else:
+                assert spec.offer is not None
+                if spec.offer.transfer.num_ids != len(spec.dst_block_ids):
+                    raise ValueError(f"{spec.offer.transfer.num_ids} blocks offered for {len(spec.dst_block_ids)}")
+                _receive(spec.offer.transfer, shared.caches, spec.dst_block_ids, shared.mappings)
+                c = shared.counters
+                c.transfers_in += 1
+                c.tokens_in += spec.offer.moved
+                c.bytes_in += spec.offer.transfer.nbytes
+                c.transfer_seconds_in += time.monotonic() - spec.started
+            if shared.caches[0].is_cuda:  # the forward runs on vLLM's own stream: the blocks must be in first
+                torch.cuda.current_stream(shared.caches[0].device).synchronize()
         except Exception as e:
             log_fallback(spec.params, e)
             shared.counters.fallbacks += 1
-            shared.failed_loads.add(spec.request_id)
-            self._load_errors.update(spec.dst_block_ids)
-            raise
+            spec.outcome.failed = True
+            with self._errors_lock:
+                self._load_errors.update(spec.dst_block_ids)
         finally:
+            spec.outcome.done = True
             if spec.offer is not None:
                 shared.loop.call_soon_threadsafe(shared.client.release, spec.params, spec.offer)
 
@@ -646,13 +682,14 @@ class PsrlKvConnector(KVConnectorBase_V1):
         return
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        done = {rid for rid, (_, future) in self._async.items() if future.done()}
+        done = {rid for rid, future in self._async.items() if future.done()}
         for rid in done:
             del self._async[rid]
         return None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
+        with self._errors_lock:
+            errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:

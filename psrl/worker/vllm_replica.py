@@ -15,7 +15,6 @@ files).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import tempfile
@@ -45,12 +44,16 @@ logger = logging.getLogger("psrl.worker")
 # vLLM on a machine without CUDA (the CPU build): keep the model executor inside the engine-core process and
 # give the KV cache a modest default, unless the user chose otherwise.
 CPU_ENV_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
+# vLLM's engine core starts after this process made its gRPC server: gRPC does not survive a fork.
+ENV_DEFAULTS = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 
 
 def apply_env_defaults() -> None:
     """Before vLLM is imported: its settings are read from the environment at import."""
     import torch
 
+    for key, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
     if not torch.cuda.is_available():
         for key, value in CPU_ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
@@ -198,11 +201,16 @@ async def serve_vllm(args: WorkerArgs) -> None:
     if port == 0:
         raise OSError(f"cannot bind {args.host}:{args.port}")
     target = f"{args.host}:{port}"
-    argv = vllm_argv(args)
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm engine arguments"))
+    engine_args = AsyncEngineArgs.from_cli_args(parser.parse_args(vllm_argv(args)))
     off = kv_migration_off_reason(args)
+    if off is None and engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size > 1:
+        off = "the connector serves one worker per engine (tensor and pipeline parallel size 1)"
     side_dir: tempfile.TemporaryDirectory[str] | None = None
     proxy = None
     if off is None:
+        from vllm.config import KVTransferConfig
+
         from psrl.worker.vllm_kv import KvMigrationProxy, kv_transfer_config
 
         side_dir = tempfile.TemporaryDirectory(prefix="psrl-kv-")
@@ -214,12 +222,10 @@ async def serve_vllm(args: WorkerArgs) -> None:
             shm_pool_bytes=args.kv_shm_pool_mib << 20,
             pin_max_bytes=args.kv_pin_max_mib << 20,
         )
-        argv += ["--kv-transfer-config", json.dumps(config)]
+        engine_args.kv_transfer_config = KVTransferConfig(**config)
         proxy = KvMigrationProxy(side_channel)
     else:
         logger.info("KV migration off: %s", off)
-    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm engine arguments"))
-    engine_args = AsyncEngineArgs.from_cli_args(parser.parse_args(argv))
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     llm = AsyncLLM.from_vllm_config(vllm_config=vllm_config, usage_context=UsageContext.OPENAI_API_SERVER)
 

@@ -182,7 +182,7 @@ def test_a_request_aborted_mid_decode_continues_on_a_peer_without_prefill(vllm_p
         assert got + rest == reference
         moved = _whole_blocks(looped)
         assert json.loads(complete.kv_transfer_params_json) == {"moved_tokens": moved}
-        assert complete.cached_tokens >= moved
+        assert complete.cached_tokens == moved
         after_a, after_b = await _stats(a), await _stats(b)
         assert after_b.transfers_in == before_b.transfers_in + 1
         assert after_b.tokens_in == before_b.tokens_in + moved
@@ -190,6 +190,12 @@ def test_a_request_aborted_mid_decode_continues_on_a_peer_without_prefill(vllm_p
         # Only what did not move was prefilled on B.
         assert after_b.prompt_tokens_computed - before_b.prompt_tokens_computed == len(looped) - moved
         assert after_a.transfers_out == before_a.transfers_out + 1
+        # B's ReleaseKv (sent in the background) ends A's pin.
+        for _ in range(200):
+            if (await _stats(a)).pinned_requests == before_a.pinned_requests - 1:
+                break
+            await asyncio.sleep(0.02)
+        assert (await _stats(a)).pinned_requests == before_a.pinned_requests - 1
 
     asyncio.run(scenario())
 
@@ -202,12 +208,15 @@ def test_back_on_its_own_replica_a_request_takes_its_pin_without_a_transfer(vllm
         reference, _ = await _generate(a, "own-ref", prompt, N)
         # A reload resets vLLM's prefix cache: the request's KV is only in its pin, copied in locally.
         got = await _interrupted(a, "own", prompt, weights)
+        # A sibling with the same prompt puts its whole blocks back into the prefix cache: the pin fills the rest.
+        await _generate(a, "own-sibling", prompt, 1)
         before = await _stats(a)
         assert before.pinned_requests >= 1
         looped = prompt + got
         rest, complete = await _generate(a, "own-2", looped, N - len(got), _params(a, "own", looped))
         assert got + rest == reference
         assert json.loads(complete.kv_transfer_params_json) == {"moved_tokens": _whole_blocks(looped)}
+        assert complete.cached_tokens == _whole_blocks(looped)
         after = await _stats(a)
         assert (after.transfers_in, after.transfers_out) == (before.transfers_in, before.transfers_out)
         assert after.prompt_tokens_computed - before.prompt_tokens_computed == len(looped) - _whole_blocks(looped)
@@ -219,8 +228,8 @@ def test_back_on_its_own_replica_a_request_takes_its_pin_without_a_transfer(vllm
         looped = prompt + got
         rest, complete = await _generate(a, "own-b-2", looped, N - len(got), _params(a, "own-b", looped))
         assert got + rest == reference
-        assert json.loads(complete.kv_transfer_params_json) == {"moved_tokens": 0}
-        assert complete.cached_tokens >= _whole_blocks(looped)
+        assert json.loads(complete.kv_transfer_params_json) == {"moved_tokens": _whole_blocks(looped)}
+        assert complete.cached_tokens == _whole_blocks(looped)
         after = await _stats(a)
         assert after.pinned_requests == before.pinned_requests - 1
         assert (after.transfers_in, after.transfers_out, after.fallbacks) == (
