@@ -418,6 +418,22 @@ def measure_prefix(a: Replica, b: Replica, n: int, repeats: int, rng: np.random.
     )
 
 
+def run_table(
+    header: str, sizes: Sequence[int], measure: Callable[[int], Any], line: Callable[[Any], str]
+) -> list[Any]:
+    """Measure each size, printing a table row (and any failed check) as it comes."""
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for n in sizes:
+        r = measure(n)
+        rows.append(r)
+        print(line(r), flush=True)
+        for p in r.problems:
+            print(f"  CHECK FAILED at {n}: {p}")
+    return rows
+
+
 def print_target(rows: Sequence[MigrationRow], where: str) -> None:
     """The recompute/migrate verdict at RATIO_TARGET_TOKENS, when that size ran."""
     for r in rows:
@@ -487,21 +503,17 @@ def part_b(args: argparse.Namespace, log_dir: Path) -> tuple[list[MigrationRow],
                 f"{'tokens':>7} {'moved':>6} {'KV MiB':>7} {'recompute ms':>13} {'migrate ms':>11} {'ratio':>7} "
                 f"{'pull ms':>8} {'pull GB/s':>10} {'A prefill ms':>13} {'same tok':>9} {'|dlogp|':>8}"
             )
-            print(header)
-            print("-" * len(header))
-            rows = []
-            for n in sizes:
-                r = measure_prefix(a, b, n, args.repeats, rng, hf["vocab_size"])
-                rows.append(r)
-                print(
+            rows = run_table(
+                header,
+                sizes,
+                lambda n: measure_prefix(a, b, n, args.repeats, rng, hf["vocab_size"]),
+                lambda r: (
                     f"{r.num_tokens:>7} {r.moved_tokens:>6} {r.kv_bytes / MiB:>7.2f} {r.recompute_s * 1e3:>13.1f} "
                     f"{r.migrate_s * 1e3:>11.1f} {r.ratio:>6.1f}x {r.pull_s * 1e3:>8.2f} {r.pull_gbps:>10.2f} "
                     f"{r.source_prefill_s * 1e3:>13.1f} {'yes' if r.same_token else 'NO':>9} "
-                    f"{r.max_logprob_diff:>8.1e}",
-                    flush=True,
-                )
-                for p in r.problems:
-                    print(f"  CHECK FAILED at {n}: {p}")
+                    f"{r.max_logprob_diff:>8.1e}"
+                ),
+            )
         finally:
             a.channel.close()
             b.channel.close()
@@ -938,22 +950,19 @@ def part_d(args: argparse.Namespace, log_dir: Path) -> tuple[list[VllmMigrationR
                 f"{'ratio':>7} {'pull ms':>8} {'pull GB/s':>10} {'memcpy GB/s':>12} {'pull/memcpy':>12} "
                 f"{'A prefill ms':>13} {'same tok':>9} {'|dlogp|':>8}"
             )
-            print(header)
-            print("-" * len(header))
-            for n in sizes:
-                r = measure_vllm_prefix(a, b, n, args.repeats, rng, hf["vocab_size"], per_token)
-                rows.append(r)
-                print(
+            rows = run_table(
+                header,
+                sizes,
+                lambda n: measure_vllm_prefix(a, b, n, args.repeats, rng, hf["vocab_size"], per_token),
+                lambda r: (
                     f"{r.num_tokens:>7} {r.looped_tokens:>7} {r.moved_tokens:>6} {r.kv_bytes / MiB:>7.2f} "
                     f"{r.recompute_s * 1e3:>13.1f} {r.migrate_s * 1e3:>11.1f} {r.ratio:>6.1f}x "
                     f"{r.pull_s * 1e3:>8.2f} {r.pull_gbps:>10.2f} {r.memcpy_gbps:>12.2f} "
                     f"{r.pull_gbps / r.memcpy_gbps if r.memcpy_gbps else 0.0:>12.3f} "
                     f"{r.source_prefill_s * 1e3:>13.1f} {'yes' if r.same_token else 'NO':>9} "
-                    f"{r.max_logprob_diff:>8.1e}",
-                    flush=True,
-                )
-                for p in r.problems:
-                    print(f"  CHECK FAILED at {n}: {p}")
+                    f"{r.max_logprob_diff:>8.1e}"
+                ),
+            )
         finally:
             a.channel.close()
             b.channel.close()

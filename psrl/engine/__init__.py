@@ -33,7 +33,7 @@ from psrl.engine.model import Qwen2Model
 from psrl.engine.prefix_cache import BlockPool, hash_block_tokens
 from psrl.engine.request import RequestOutput
 from psrl.engine.sampler import SamplingOptions
-from psrl.engine.sync import KvLease, PauseMode, PreloadedKV, SyncAbortedRequest
+from psrl.engine.sync import KvLease, PauseMode, PreloadedKV, SyncAbortedRequest, common_prefix
 
 __all__ = [
     "AdmissionClosedError",
@@ -73,5 +73,6 @@ __all__ = [
     "SyncAbortedRequest",
     "TokenOutOfRangeError",
     "WeightLoadError",
+    "common_prefix",
     "hash_block_tokens",
 ]

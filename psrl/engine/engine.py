@@ -52,7 +52,7 @@ from psrl.engine.request import Request, RequestOutput, RequestStatus
 from psrl.engine.sampler import Sampler, SampleResult, SamplingOptions
 from psrl.engine.scheduler import ScheduledChunk, Scheduler
 from psrl.engine.stop_strings import StopStringDetector
-from psrl.engine.sync import KvLease, PreloadedKV, SyncAbortedRequest
+from psrl.engine.sync import KvLease, PreloadedKV, SyncAbortedRequest, common_prefix
 from psrl.tokenizer import Tokenizer
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the most alternatives a request may ask for per token
@@ -460,7 +460,7 @@ class Engine:
             pin = self._pins.get(request_id)
             if pin is None:
                 return self._lease_cached_prefix_locked(token_ids) if allow_prefix_cache else None
-            n = _common_prefix(pin.token_ids, token_ids)
+            n = common_prefix(pin.token_ids, token_ids)
             if n == 0:
                 return None
             ids = pin.block_ids[: blocks_for_tokens(n, block_size)]
@@ -489,7 +489,7 @@ class Engine:
             if pin is None:
                 return None
             block_size = self.cache_config.block_size
-            n = min(_common_prefix(pin.token_ids, token_ids), max_tokens)
+            n = min(common_prefix(pin.token_ids, token_ids), max_tokens)
             if n % block_size:
                 # The request will write its tokens from n on into the last kept block: only if nobody else
                 # reads that block (the prefix cache, or a request still running after PinKv).
@@ -772,11 +772,3 @@ class _Pin:
     token_ids: tuple[int, ...]  # the tokens whose K/V the blocks hold
     block_ids: tuple[int, ...]
     expires_at: float  # time.monotonic()
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -48,3 +49,12 @@ class PreloadedKV:
     block_ids: tuple[int, ...]
     num_tokens: int
     token_ids: tuple[int, ...] | None = None
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two sequences share (what a pin holds of a looped-back prompt)."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

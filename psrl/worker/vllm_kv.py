@@ -49,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from psrl._proto import kv_migration_pb2_grpc
+from psrl.engine import common_prefix
 from psrl.kv import KVLayoutSpec, LayoutError, gather_blocks, scatter_blocks
 from psrl.kv.channels import ShmChannel, ShmMappings, ShmTransfer, shm_receive
 from psrl.worker.kv_migration import (
@@ -199,16 +200,7 @@ class _Pin:
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+        return int(self.buffer.nbytes)
 
 
 class _Shared:
@@ -249,12 +241,9 @@ class _Shared:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="psrl-kv", daemon=True)
         self._thread.start()
-        self.client: KvSourceClient = self.run(self._make_client())
+        self.client = KvSourceClient(self.client_target)  # its channels are made on the loop, when first used
         self._server: grpc.aio.Server | None = None
         self._servicer: KvMigrationServicer | None = None
-
-    async def _make_client(self) -> KvSourceClient:
-        return KvSourceClient(self.client_target)
 
     def run(self, coro: Any, timeout: float | None = 30.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -360,7 +349,7 @@ class _PinHolder:
         pin = self.shared.find_pin(request_id)
         if pin is None:
             return None
-        n = _common_prefix(pin.token_ids, tokens)
+        n = common_prefix(pin.token_ids, tokens)
         n -= n % self.shared.block_size
         if n == 0:
             return None
@@ -518,7 +507,7 @@ class PsrlKvConnector(KVConnectorBase_V1):
         if is_self:
             load.decided = True
             load.pin = self.shared.take_pin(params.request_id)
-            n = _common_prefix(load.pin.token_ids, prompt[:want]) if load.pin is not None else 0
+            n = common_prefix(load.pin.token_ids, prompt[:want]) if load.pin is not None else 0
             n -= n % self.block_size
             if n > num_computed:
                 load.num_tokens = n

@@ -122,6 +122,16 @@ def _params(source: str, rid: str, prompt: list[int], mode: str = "sync") -> dic
     }
 
 
+async def _continued(
+    dest: str, source: str, rid: str, prompt: list[int], got: list[int], mode: str = "sync"
+) -> tuple[list[int], pb.GenerateComplete]:
+    """The aborted `rid` looped back to `dest` as the router sends it (params naming `source`): every id it made,
+    before and after the abort, and the complete frame."""
+    looped = prompt + got
+    rest, complete = await _generate(dest, f"{rid}-2", looped, N - len(got), _params(source, rid, looped, mode))
+    return got + rest, complete
+
+
 async def _recomputed(dest: str, source: str, rid: str, looped: list[int], n: int) -> list[int]:
     """Loop `rid` back to `dest` with params naming `source`, where the pull must fail: the ids it makes, after
     checking that nothing moved, the fallback was counted and the whole prompt was prefilled."""
@@ -175,11 +185,9 @@ def test_a_request_aborted_mid_decode_continues_on_a_peer_without_prefill(vllm_p
         reference, _ = await _generate(a, f"ref-{mode}", prompt, N)
         got = await _interrupted(a, f"mig-{mode}", prompt, weights)
         before_a, before_b = await _stats(a), await _stats(b)
+        ids, complete = await _continued(b, a, f"mig-{mode}", prompt, got, mode)
+        assert ids == reference
         looped = prompt + got
-        rest, complete = await _generate(
-            b, f"mig-{mode}-2", looped, N - len(got), _params(a, f"mig-{mode}", looped, mode)
-        )
-        assert got + rest == reference
         moved = _whole_blocks(looped)
         assert json.loads(complete.kv_transfer_params_json) == {"moved_tokens": moved}
         assert complete.cached_tokens == moved
@@ -212,9 +220,9 @@ def test_back_on_its_own_replica_a_request_takes_its_pin_without_a_transfer(vllm
         await _generate(a, "own-sibling", prompt, 1)
         before = await _stats(a)
         assert before.pinned_requests >= 1
+        ids, complete = await _continued(a, a, "own", prompt, got)
+        assert ids == reference
         looped = prompt + got
-        rest, complete = await _generate(a, "own-2", looped, N - len(got), _params(a, "own", looped))
-        assert got + rest == reference
         assert json.loads(complete.kv_transfer_params_json) == {"moved_tokens": _whole_blocks(looped)}
         assert complete.cached_tokens == _whole_blocks(looped)
         after = await _stats(a)
@@ -225,9 +233,9 @@ def test_back_on_its_own_replica_a_request_takes_its_pin_without_a_transfer(vllm
         # No reload: vLLM's prefix cache still holds the blocks, nothing is copied and the pin is dropped.
         got = await _interrupted(a, "own-b", prompt, None)
         before = await _stats(a)
+        ids, complete = await _continued(a, a, "own-b", prompt, got)
+        assert ids == reference
         looped = prompt + got
-        rest, complete = await _generate(a, "own-b-2", looped, N - len(got), _params(a, "own-b", looped))
-        assert got + rest == reference
         assert json.loads(complete.kv_transfer_params_json) == {"moved_tokens": _whole_blocks(looped)}
         assert complete.cached_tokens == _whole_blocks(looped)
         after = await _stats(a)
@@ -273,6 +281,13 @@ def test_a_layout_mismatch_recomputes(vllm_model_dir, vllm_pair, weights, log_di
                 reply = await kv_grpc.KvMigrationStub(channel).TransferKv(
                     kv.TransferKvRequest(request_id="x", token_ids=prompt, layout_json=json.dumps(layout)), timeout=10
                 )
+                # PinKv has no meaning on vLLM (a request is pinned when it is aborted): the proxy passes the
+                # side channel's refusal through with its code and words.
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await kv_grpc.KvMigrationStub(channel).PinKv(kv.PinKvRequest(request_id="x", ttl_ms=1000))
+            assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED and "when the request is aborted" in str(
+                info.value.details()
+            )
             assert (
                 reply.num_tokens == 0 and reply.reason.startswith("layout mismatch") and "block_layout" in reply.reason
             )
