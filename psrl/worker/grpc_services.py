@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -27,6 +28,25 @@ HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 REPLICA_CONTROL_SERVICE = replica_control_pb2.DESCRIPTOR.services_by_name["ReplicaControl"].full_name
 KV_MIGRATION_SERVICE = kv_migration_pb2.DESCRIPTOR.services_by_name["KvMigration"].full_name
 REPLICA_SERVICES = (VLLM_ENGINE_SERVICE, REPLICA_CONTROL_SERVICE, KV_MIGRATION_SERVICE)
+
+# Both replicas' servers: large frames (log-probs, KV descriptors), and a non-streamed Generate is silent while it
+# decodes, so the router's keepalive pings on it are never strikes (gRPC's default ends the call after 2).
+REPLICA_SERVER_OPTIONS = (
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.keepalive_permit_without_calls", True),
+)
+
+
+def replica_grpc_server(host: str, port: int) -> tuple[grpc.aio.Server, str]:
+    """A replica's gRPC server bound at host:port (0: any free port) and its `host:port` target."""
+    server = grpc.aio.server(options=list(REPLICA_SERVER_OPTIONS))
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    return server, f"{host}:{bound}"
+
 
 HealthProbe = Callable[[], Awaitable[bool]]  # True while the engine is healthy; raising counts as unhealthy
 
@@ -77,11 +97,13 @@ class ReplicaHealthServicer(health_pb2_grpc.HealthServicer):
 
 
 def add_health_and_reflection(
-    server: grpc.aio.Server, probe: HealthProbe, services: Iterable[str] = REPLICA_SERVICES
-) -> ReplicaHealthServicer:
-    """Serve Health on `server`, and reflection listing `services` (full names of what it serves), Health and
-    reflection itself. Returns the health servicer, for `set_not_serving()` at shutdown."""
-    health = ReplicaHealthServicer(probe)
+    server: grpc.aio.Server, health: HealthProbe | Any, services: Iterable[str] = REPLICA_SERVICES
+) -> Any:
+    """Serve Health on `server` (a ReplicaHealthServicer over a probe, or a ready-made health servicer such as
+    smg's), and reflection listing `services` (full names of what it serves), Health and reflection itself.
+    Returns the health servicer, for `set_not_serving()` at shutdown."""
+    if not isinstance(health, health_pb2_grpc.HealthServicer):
+        health = ReplicaHealthServicer(health)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((*services, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
     return health

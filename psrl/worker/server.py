@@ -22,13 +22,12 @@ import logging
 import sys
 from dataclasses import dataclass, field
 
-import grpc
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from psrl._proto import kv_migration_pb2_grpc, replica_control_pb2_grpc
 from psrl.engine import AsyncEngine, CacheConfig, Engine
 from psrl.worker.control import ReplicaControlServicer
-from psrl.worker.grpc_services import add_health_and_reflection
+from psrl.worker.grpc_services import add_health_and_reflection, replica_grpc_server
 from psrl.worker.kv_migration import EngineKvHolder, KvMigrationServicer, KvPuller
 from psrl.worker.model_folder import build_tiny_model_folder, load_model_folder
 from psrl.worker.registration import registration_body, serve_until_stopped
@@ -190,6 +189,7 @@ async def serve(args: WorkerArgs) -> None:
                 weights_path=str(folder.weights_path) if folder.weights_path else None,
                 device=args.device,
                 eos_token_ids=folder.tokenizer.eos_token_ids,
+                tokenizer=folder.tokenizer,  # stop strings are matched in the decoded output
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=args.enable_prefix_caching,
@@ -199,13 +199,7 @@ async def serve(args: WorkerArgs) -> None:
     ]
     for e in engines:
         e.engine.kv_pin_ttl_s = args.kv_pin_ttl_s or None
-    server = grpc.aio.server(
-        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
-    )
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
-    if port == 0:
-        raise OSError(f"cannot bind {args.host}:{args.port}")
-    target = f"{args.host}:{port}"
+    server, target = replica_grpc_server(args.host, args.port)
     migration = KvMigrationServicer(EngineKvHolder(engines), shm_pool_bytes=args.kv_shm_pool_mib << 20)
     kv_puller = KvPuller(migration.counters, target, shm_mappings_bytes=args.kv_shm_pool_mib << 20)
     servicer = ReferenceServicer(engines, folder, served_name, kv_puller)

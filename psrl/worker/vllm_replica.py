@@ -28,10 +28,11 @@ from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 from psrl._proto import kv_migration_pb2_grpc, replica_control_pb2_grpc
 from psrl.worker.admission import ACCEPTED_METADATA_KEY, AdmissionGate, refused_complete
 from psrl.worker.grpc_services import (
-    HEALTH_SERVICE,
     KV_MIGRATION_SERVICE,
     REPLICA_CONTROL_SERVICE,
     VLLM_ENGINE_SERVICE,
+    add_health_and_reflection,
+    replica_grpc_server,
 )
 from psrl.worker.model_folder import WEIGHTS_FILE
 from psrl.worker.registration import registration_body, serve_until_stopped
@@ -176,8 +177,6 @@ async def serve_vllm(args: WorkerArgs) -> None:
     if args.model is None:
         raise SystemExit("--engine vllm needs --model DIR")
     apply_env_defaults()
-    from grpc_health.v1 import health_pb2_grpc
-    from grpc_reflection.v1alpha import reflection
     from smg_grpc_servicer.vllm.health_servicer import VllmHealthServicer
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
@@ -187,20 +186,8 @@ async def serve_vllm(args: WorkerArgs) -> None:
     from psrl.worker.vllm_control import VllmReplicaControl
 
     start_time = time.time()
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", 64 << 20),
-            # A non-streamed Generate is silent while it decodes: the router's keepalive pings are no strikes.
-            ("grpc.http2.max_ping_strikes", 0),
-            ("grpc.keepalive_permit_without_calls", True),
-        ]
-    )
     # Bound first: KV migration's connector needs the address peers will name this replica by.
-    port = server.add_insecure_port(f"{args.host}:{args.port}")
-    if port == 0:
-        raise OSError(f"cannot bind {args.host}:{args.port}")
-    target = f"{args.host}:{port}"
+    server, target = replica_grpc_server(args.host, args.port)
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm engine arguments"))
     engine_args = AsyncEngineArgs.from_cli_args(parser.parse_args(vllm_argv(args)))
     off = kv_migration_off_reason(args)
@@ -237,16 +224,14 @@ async def serve_vllm(args: WorkerArgs) -> None:
         return sum(x.num_waiting_reqs for x in loads.loads)
 
     control = VllmReplicaControl(llm, gate, waiting)
-    health = VllmHealthServicer(llm)
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
     replica_control_pb2_grpc.add_ReplicaControlServicer_to_server(control, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    served: tuple[str, ...] = (VLLM_ENGINE_SERVICE, REPLICA_CONTROL_SERVICE, HEALTH_SERVICE)
+    served: tuple[str, ...] = (VLLM_ENGINE_SERVICE, REPLICA_CONTROL_SERVICE)
     if proxy is not None:
         kv_migration_pb2_grpc.add_KvMigrationServicer_to_server(proxy, server)
         served += (KV_MIGRATION_SERVICE,)
     # vLLM's own health service (it asks AsyncLLM.check_health); reflection lists what this replica serves.
-    reflection.enable_server_reflection((*served, reflection.SERVICE_NAME), server)
+    health = add_health_and_reflection(server, VllmHealthServicer(llm), served)
     await server.start()
     cache = vllm_config.cache_config
     served_name = vllm_config.model_config.served_model_name

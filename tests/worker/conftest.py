@@ -7,12 +7,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from psrl.engine import AsyncEngine, CacheConfig, Engine
-from psrl.worker.grpc_services import ReplicaHealthServicer, add_health_and_reflection
+from psrl.worker.grpc_services import ReplicaHealthServicer, add_health_and_reflection, replica_grpc_server
 from psrl.worker.model_folder import load_model_folder
 from psrl.worker.servicer import ReferenceServicer
 
@@ -32,16 +31,16 @@ async def inproc_replica(model_dir: Path) -> AsyncIterator[InProcessReplica]:
         folder.model_config,
         CacheConfig(block_size=16, num_blocks=64),
         eos_token_ids=folder.tokenizer.eos_token_ids,
+        tokenizer=folder.tokenizer,
     )
     engines = [AsyncEngine(engine)]
     servicer = ReferenceServicer(engines, folder, "tiny")
-    server = grpc.aio.server()
+    server, target = replica_grpc_server("127.0.0.1", 0)  # the options the replica process serves with
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
     health = add_health_and_reflection(server, servicer.healthy)
-    port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
-        yield InProcessReplica(f"127.0.0.1:{port}", engines, health)
+        yield InProcessReplica(target, engines, health)
     finally:
         await server.stop(None)
         for e in engines:

@@ -3,6 +3,7 @@ vLLM's grpc_server reports, on a replica process and in process."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -88,3 +89,36 @@ async def test_a_failing_probe_reads_as_not_serving() -> None:
         assert await _check(target, "") == Status.NOT_SERVING
     finally:
         await server.stop(None)
+
+
+async def test_a_silent_non_streamed_call_survives_the_routers_keepalive_pings(inproc_replica) -> None:
+    """A non-streamed Generate sends nothing until it ends; the router pings its channel meanwhile (without
+    limit). gRPC's default server ends such a connection after two pings ("too_many_pings"); the replica's does
+    not count them."""
+    from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+    from psrl.engine import PauseMode
+
+    pings = [
+        ("grpc.keepalive_time_ms", 1000),
+        ("grpc.keepalive_timeout_ms", 5000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+    engine = inproc_replica.engines[0]
+    request = vllm_engine_pb2.GenerateRequest(
+        request_id="silent",
+        tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[5, 6, 7]),
+        sampling_params=vllm_engine_pb2.SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True),
+    )
+    async with grpc.aio.insecure_channel(inproc_replica.target, options=pings) as channel:
+        call = vllm_engine_pb2_grpc.VllmEngineStub(channel).Generate(request, timeout=60)
+        while engine.stats().num_running == 0:
+            await asyncio.sleep(0.001)
+        await engine.pause(PauseMode.KEEP)  # frozen mid-decode: the call stays silent while pings go by
+        assert engine.stats().num_running == 1, "the request ended before the pause: nothing was tested"
+        await asyncio.sleep(4.5)  # pings at 1 s: past the default server's two strikes
+        engine.resume()
+        frames = [frame async for frame in call]
+    assert [f.WhichOneof("response") for f in frames] == ["complete"]
+    assert len(frames[0].complete.output_ids) == 300
