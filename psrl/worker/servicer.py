@@ -178,10 +178,6 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if not engines:
             raise ValueError("at least one engine is required")
         self.engines = engines
-        for engine in engines:
-            # The engines serve this model folder, so its tokenizer is theirs: stop strings need it.
-            if engine.engine.tokenizer is None:
-                engine.engine.tokenizer = folder.tokenizer
         self.kv_puller = kv_puller  # None: kv_transfer_params_json is checked, then ignored (the request is prefilled)
         self._kv_pulls: set[asyncio.Task[None]] = set()
         self.folder = folder

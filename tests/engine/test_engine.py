@@ -234,6 +234,7 @@ def test_validation_errors() -> None:
         "AsyncEngine": SamplingOptions(n=2),
         "greedy": SamplingOptions(temperature=0.0, n=2),
         "n must be": SamplingOptions(n=0),
+        "engine's tokenizer": SamplingOptions(stop=("x",)),  # this engine was built without one
     }
     for match, sampling in bad.items():
         with pytest.raises(InvalidSamplingError, match=match):
