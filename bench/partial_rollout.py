@@ -101,12 +101,10 @@ def weight_source(version: int, args: argparse.Namespace) -> dict[str, int | str
 
 def prepare_vllm_model(args: argparse.Namespace) -> None:
     """The model folder vLLM replicas serve (real weights) and the two weight files syncs alternate between."""
-    from psrl.worker.model_folder import WEIGHTS_FILE, build_tiny_model_folder, write_seeded_weights
+    from psrl.worker.model_folder import build_weighted_model_folder, write_seeded_weights
 
     if args.model is None:
-        args.model = build_tiny_model_folder(args.out_dir / "vllm-model")
-        if not (args.model / WEIGHTS_FILE).is_file():
-            write_seeded_weights(args.model, 0)
+        args.model = build_weighted_model_folder(args.out_dir / "vllm-model")
     args.weight_files = []
     for seed in (1, 2):
         path = args.out_dir / f"vllm-weights-{seed}.safetensors"

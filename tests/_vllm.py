@@ -1,4 +1,5 @@
-"""Real vLLM (the CPU build) for tests: a tiny Qwen2 checkpoint and stock vLLM gRPC replicas on loopback.
+"""Real vLLM (the CPU build) for tests: stock vLLM gRPC replicas and ours on loopback, serving the tiny Qwen2
+checkpoint of psrl.worker.model_folder.build_weighted_model_folder.
 
 The stock replica is vLLM's own launcher with the stock smg-grpc-servicer inside, exactly as users start it.
 Nothing is downloaded: the checkpoint is the reference engine's seeded random weights, saved as float32
@@ -19,7 +20,6 @@ from _procs import REPO, Proc, free_port
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from psrl.gateway.processes import stop_processes
-from psrl.worker.model_folder import WEIGHTS_FILE, build_tiny_model_folder, write_seeded_weights
 
 HAS_VLLM = all(importlib.util.find_spec(m) is not None for m in ("vllm", "smg_grpc_servicer"))
 # vLLM compiles and caches kernels; inside the build folder, so a test run never writes to the home directory.
@@ -40,14 +40,6 @@ def vllm_env() -> dict[str, str]:
         "VLLM_CACHE_ROOT": str(CACHE_ROOT / "vllm"),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
     }
-
-
-def build_vllm_model_folder(folder: Path, *, seed: int = 0) -> Path:
-    """The tiny model folder plus float32 `model.safetensors` (seeded reference weights)."""
-    build_tiny_model_folder(folder)
-    if not (folder / WEIGHTS_FILE).is_file():
-        write_seeded_weights(folder, seed)
-    return folder
 
 
 def engine_args_of(model_dir: Path) -> list[str]:

@@ -92,12 +92,8 @@ class ReplicaControlServicer(pb_grpc.ReplicaControlServicer):
         self, request: pb.GetSyncStateRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetSyncStateResponse:
         stats = [e.stats() for e in self.engines]
-        if self._failure_reason is not None:
-            admission = pb.ADMISSION_FAILED
-        elif any(e.admission_closed_reason is not None for e in self.engines):
-            admission = pb.ADMISSION_PAUSED
-        else:
-            admission = pb.ADMISSION_OPEN
+        closed = any(e.admission_closed_reason is not None for e in self.engines)
+        admission = admission_state(self._failure_reason, closed)
         return pb.GetSyncStateResponse(
             paused=self.paused,
             weight_version=self.weight_version,
@@ -114,6 +110,13 @@ class ReplicaControlServicer(pb_grpc.ReplicaControlServicer):
             engine.close_admission(closed_reason(self._failure_reason))
         logger.warning("sync failed: %s", self._failure_reason)
         return pb.FailSyncResponse(weight_version=self.weight_version)
+
+
+def admission_state(failure: str | None, closed: bool) -> pb.Admission:
+    """GetSyncState's admission: FAILED after a failed sync, else PAUSED while admission is closed, else OPEN."""
+    if failure is not None:
+        return pb.ADMISSION_FAILED
+    return pb.ADMISSION_PAUSED if closed else pb.ADMISSION_OPEN
 
 
 def closed_reason(failure: str | None) -> str:

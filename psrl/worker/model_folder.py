@@ -52,6 +52,15 @@ def build_tiny_model_folder(folder: str | Path | None = None) -> Path:
     return folder
 
 
+def build_weighted_model_folder(folder: str | Path, seed: int = 0) -> Path:
+    """The tiny model folder plus its seeded float32 `model.safetensors` (real weights for any engine, vLLM's too),
+    each written once."""
+    path = build_tiny_model_folder(folder)
+    if not (path / WEIGHTS_FILE).is_file():
+        write_seeded_weights(path, seed)
+    return path
+
+
 def write_seeded_weights(folder: str | Path, seed: int, path: str | Path | None = None) -> Path:
     """The folder's model with the reference engine's seeded random weights, saved as float32 safetensors
     (default: its `model.safetensors`, so any engine that reads the folder, vLLM too, loads real weights)."""

@@ -22,7 +22,7 @@ from psrl._proto import replica_control_pb2 as pb
 from psrl._proto import replica_control_pb2_grpc as pb_grpc
 from psrl.engine import PauseMode
 from psrl.worker.admission import AdmissionGate
-from psrl.worker.control import closed_reason, invalid_argument, pause_mode
+from psrl.worker.control import admission_state, closed_reason, invalid_argument, pause_mode
 
 logger = logging.getLogger(__name__)
 
@@ -131,12 +131,7 @@ class VllmReplicaControl(pb_grpc.ReplicaControlServicer):
     async def GetSyncState(
         self, request: pb.GetSyncStateRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetSyncStateResponse:
-        if self._failure_reason is not None:
-            admission = pb.ADMISSION_FAILED
-        elif self.gate.closed_reason is not None:
-            admission = pb.ADMISSION_PAUSED
-        else:
-            admission = pb.ADMISSION_OPEN
+        admission = admission_state(self._failure_reason, self.gate.closed_reason is not None)
         return pb.GetSyncStateResponse(
             paused=await self.llm.is_paused(),
             weight_version=self.weight_version,

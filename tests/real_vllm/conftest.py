@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 from _procs import Proc
-from _vllm import HAS_VLLM, build_vllm_model_folder, start_stock_vllm, start_vllm_replica
+from _vllm import HAS_VLLM, start_stock_vllm, start_vllm_replica
 
 from psrl.gateway.processes import stop_processes
+from psrl.worker.model_folder import build_weighted_model_folder
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -22,7 +23,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_vllm_model_folder(tmp_path_factory.mktemp("vllm-model"))
+    return build_weighted_model_folder(tmp_path_factory.mktemp("vllm-model"))
 
 
 @pytest.fixture(scope="session")
