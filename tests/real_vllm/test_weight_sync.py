@@ -5,6 +5,7 @@ rollout carries every interrupted request over the sync without losing a token."
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 from collections.abc import Iterator
@@ -121,6 +122,46 @@ def test_concurrent_requests_lose_no_token_over_three_syncs(router: Proc, weight
             assert versions == sorted(versions)
             interrupted += len(set(versions)) > 1
         assert interrupted > 0
+
+    asyncio.run(scenario())
+
+
+def test_each_choice_of_an_n2_request_continues_over_a_sync(router: Proc, vllm_pair, weights) -> None:
+    """n = 2 on vLLM: a sync aborts both choices, each loops back on its own (n = 1, seed + index) and the
+    response streams both to their full length. top_k 1 makes every choice the greedy run, so both must equal
+    it exactly."""
+    n = 600
+    common = {"prompt": "partial rollout of every choice", "max_tokens": n, "ignore_eos": True}
+
+    async def scenario() -> None:
+        async with (
+            httpx.AsyncClient(base_url=router.url, timeout=300) as client,
+            RolloutCoordinator(router.url) as coordinator,
+        ):
+            greedy = await client.post("/v1/completions", json=common | {"temperature": 0}, headers=_psrl(300))
+            assert greedy.status_code == 200, greedy.text
+            want = greedy.json()["choices"][0]["text"]
+            body = common | {"n": 2, "temperature": 1.0, "top_k": 1, "seed": 1, "stream": True}
+            texts, finishes = ["", ""], [None, None]
+
+            async def read() -> None:
+                async with client.stream("POST", "/v1/completions", json=body, headers=_psrl(301)) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            for c in json.loads(line[6:])["choices"]:
+                                texts[c["index"]] += c["text"]
+                                finishes[c["index"]] = c["finish_reason"] or finishes[c["index"]]
+
+            task = asyncio.ensure_future(read())
+            targets = [p.url.removeprefix("grpc://") for p in vllm_pair]
+            while not any(await asyncio.gather(*(_replica_running(t) for t in targets))):
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # mid-decode
+            report = await coordinator.sync_weights(5, path=weights)
+            assert report.aborted_requests >= 1
+            await task
+            assert texts == [want, want] and finishes == ["length", "length"]
 
     asyncio.run(scenario())
 
