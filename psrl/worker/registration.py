@@ -5,10 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from typing import TYPE_CHECKING
 
 import grpc
 import httpx
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+if TYPE_CHECKING:
+    from psrl.worker.server import WorkerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -122,3 +126,32 @@ async def serve_until_stopped(
         return True
     registration.cancel()
     return False
+
+
+async def serve_replica(
+    args: WorkerArgs,
+    target: str,
+    served_name: str,
+    *,
+    kv_capacity_tokens: int,
+    kv_block_size: int,
+    tp_size: int = 1,
+    engine: str | None = None,
+) -> bool:
+    """`serve_until_stopped` for a replica started from the command line: its PSRL_WORKER_READY line (with
+    `engine=` when not the reference one) and, with `--router`, its registration."""
+    body = None
+    if args.router:
+        body = registration_body(
+            grpc_url=f"grpc://{target}",
+            served_model_name=served_name,
+            kv_capacity_tokens=kv_capacity_tokens,
+            dp_size=args.dp_size,
+            tp_size=tp_size,
+            kv_block_size=kv_block_size,
+            worker_id=args.worker_id,
+        )
+    ready = f"PSRL_WORKER_READY grpc://{target} dp_size={args.dp_size} model={served_name}"
+    if engine is not None:
+        ready += f" engine={engine}"
+    return await serve_until_stopped(target, ready, router_url=args.router, body=body, api_key=args.router_api_key)

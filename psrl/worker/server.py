@@ -30,7 +30,7 @@ from psrl.worker.control import ReplicaControlServicer
 from psrl.worker.grpc_services import add_health_and_reflection, replica_grpc_server
 from psrl.worker.kv_migration import EngineKvHolder, KvMigrationServicer, KvPuller
 from psrl.worker.model_folder import build_tiny_model_folder, load_model_folder
-from psrl.worker.registration import registration_body, serve_until_stopped
+from psrl.worker.registration import serve_replica
 from psrl.worker.servicer import ReferenceServicer
 
 logger = logging.getLogger("psrl.worker")
@@ -209,18 +209,13 @@ async def serve(args: WorkerArgs) -> None:
     health = add_health_and_reflection(server, servicer.healthy)
     await server.start()
     migration.start()
-    body = None
-    if args.router:
-        body = registration_body(
-            grpc_url=f"grpc://{target}",
-            served_model_name=served_name,
-            kv_capacity_tokens=cache_config.num_blocks * cache_config.block_size,
-            dp_size=args.dp_size,
-            kv_block_size=cache_config.block_size,
-            worker_id=args.worker_id,
-        )
-    ready = f"PSRL_WORKER_READY grpc://{target} dp_size={args.dp_size} model={served_name}"
-    failed = await serve_until_stopped(target, ready, router_url=args.router, body=body, api_key=args.router_api_key)
+    failed = await serve_replica(
+        args,
+        target,
+        served_name,
+        kv_capacity_tokens=cache_config.num_blocks * cache_config.block_size,
+        kv_block_size=cache_config.block_size,
+    )
     health.set_not_serving()
     await server.stop(grace=1.0)
     migration.close()

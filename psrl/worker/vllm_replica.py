@@ -35,7 +35,7 @@ from psrl.worker.grpc_services import (
     replica_grpc_server,
 )
 from psrl.worker.model_folder import WEIGHTS_FILE
-from psrl.worker.registration import registration_body, serve_until_stopped
+from psrl.worker.registration import serve_replica
 
 if TYPE_CHECKING:
     from psrl.worker.server import WorkerArgs
@@ -235,19 +235,15 @@ async def serve_vllm(args: WorkerArgs) -> None:
     await server.start()
     cache = vllm_config.cache_config
     served_name = vllm_config.model_config.served_model_name
-    body = None
-    if args.router:
-        body = registration_body(
-            grpc_url=f"grpc://{target}",
-            served_model_name=served_name,
-            kv_capacity_tokens=(cache.num_gpu_blocks or 0) * cache.block_size,
-            dp_size=args.dp_size,
-            tp_size=vllm_config.parallel_config.tensor_parallel_size,
-            kv_block_size=cache.block_size,
-            worker_id=args.worker_id,
-        )
-    ready = f"PSRL_WORKER_READY grpc://{target} dp_size={args.dp_size} model={served_name} engine=vllm"
-    failed = await serve_until_stopped(target, ready, router_url=args.router, body=body, api_key=args.router_api_key)
+    failed = await serve_replica(
+        args,
+        target,
+        served_name,
+        kv_capacity_tokens=(cache.num_gpu_blocks or 0) * cache.block_size,
+        kv_block_size=cache.block_size,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        engine="vllm",
+    )
     health.set_not_serving()
     await server.stop(grace=1.0)
     if proxy is not None:

@@ -3,6 +3,9 @@ health and circuit breaking with a replica killed and restarted, and HTTP-mode p
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import httpx
 import openai
 import pytest
@@ -277,3 +280,22 @@ def test_http_mode_proxies_plain_openai_servers(model_dir, log_dir) -> None:
         )
     finally:
         stop_processes([a.proc, backend_1.proc, backend_2.proc, front.proc])
+
+
+def test_a_replica_the_router_refuses_exits_with_status_1(model_dir, log_dir) -> None:
+    """A replica its router cannot see is of no use: a refused registration (here a wrong admin key) ends it."""
+    router = start_router(log_dir, [], args=["--admin-api-key", "adm"])
+    log = log_dir / "refused-replica.log"
+    try:
+        with open(log, "wb") as out:
+            args = ["--model", str(model_dir), "--port", "0", "--router", router.url, "--router-api-key", "wrong"]
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "psrl.worker", *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        assert proc.wait(timeout=120) == 1, log.read_text(errors="replace")
+        assert "router refused registration: 401" in log.read_text(errors="replace")
+    finally:
+        stop_processes([router.proc])
