@@ -56,13 +56,12 @@ INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1  # the proto's uint32 fields: past it a request cannot be encoded
 
 
-def _seed(body: dict[str, Any], name: str = "seed") -> int | None:
+def _seed(body: dict[str, Any], n: int, name: str = "seed") -> int | None:
     """vLLM's int32 seed (-1, like unset, is no seed); choice i of an n > 1 request samples with seed + i."""
     seed = get_int(body, name, None, minimum=-1, maximum=INT32_MAX)
     if seed is None or seed == -1:
         return None
-    n = body.get("n", 1)
-    if isinstance(n, int) and not isinstance(n, bool) and seed + n - 1 > INT32_MAX:
+    if seed + n - 1 > INT32_MAX:
         raise BadRequest(f"'{name}' + n - 1 must fit in an int32 (choice i samples with seed + i)", param=name)
     return seed
 
@@ -146,6 +145,7 @@ def get_stop(body: dict[str, Any]) -> list[str]:
 
 def _common_sampling(body: dict[str, Any], max_tokens: int | None) -> SamplingSpec:
     stop_ids = _present(body, "stop_token_ids")
+    n = get_int(body, "n", 1, minimum=1, maximum=MAX_N) or 1  # before the seed: choice i samples with seed + i
     return SamplingSpec(
         temperature=get_float(body, "temperature", None, minimum=0.0),
         top_p=get_float(body, "top_p", 1.0, minimum=0.0, maximum=1.0, exclusive_min=True) or 1.0,
@@ -158,11 +158,11 @@ def _common_sampling(body: dict[str, Any], max_tokens: int | None) -> SamplingSp
         stop_token_ids=[] if stop_ids is _MISSING else get_token_ids(stop_ids, "stop_token_ids"),
         ignore_eos=get_bool(body, "ignore_eos", False),
         skip_special_tokens=get_bool(body, "skip_special_tokens", True),
-        seed=_seed(body),
+        seed=_seed(body, n),
         repetition_penalty=get_float(body, "repetition_penalty", 1.0, minimum=0.0, exclusive_min=True) or 1.0,
         presence_penalty=get_float(body, "presence_penalty", 0.0, minimum=-2.0, maximum=2.0) or 0.0,
         frequency_penalty=get_float(body, "frequency_penalty", 0.0, minimum=-2.0, maximum=2.0) or 0.0,
-        n=get_int(body, "n", 1, minimum=1, maximum=MAX_N) or 1,
+        n=n,
     )
 
 
@@ -384,7 +384,7 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequestBody:
     max_new = get_int(sp, "max_new_tokens", GENERATE_DEFAULT_MAX_NEW_TOKENS, minimum=1, maximum=UINT32_MAX)
     sampling = _common_sampling(sp, max_new)
     if "sampling_seed" in sp:  # SGLang's name for it
-        sampling.seed = _seed(sp, "sampling_seed")
+        sampling.seed = _seed(sp, sampling.n, "sampling_seed")
     # SGLang's spelling of include_stop_str_in_output: the returned text keeps the stop string.
     sampling.include_stop_str_in_output = get_bool(sp, "no_stop_trim", sampling.include_stop_str_in_output)
     return_logprob = get_bool(body, "return_logprob", False)
