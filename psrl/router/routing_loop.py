@@ -1,5 +1,10 @@
 """The routing loop: every PSRL request waits in a priority queue; the loop selects, commits and hands it off.
 
+A pass walks the queue in priority order and dispatches the first entries that can be placed now; one that
+cannot (its version is not synced anywhere yet, its pinned instance is full) keeps its place and is tried
+first again on the next pass, so it neither holds back the entries behind it nor loses its turn to them. An
+entry whose caller went away (cancelled, e.g. the client disconnected) leaves the queue at once.
+
 Pause/resume works by epochs (COMPAT section 5). A selection holds a decision permit stamped with the epoch it
 started in; commit and dispatch need a hand-off permit for the same, unpaused epoch, otherwise the selection is
 dropped and the request re-enqueued (never dispatched). `pause(wait=True)` returns once no decision or
@@ -39,14 +44,15 @@ class RoutingLoopConfig:
     request_sort_indicator: str = "small_id"
     enable_multi_priority_queue: bool = False
     check_interval_ms: int = 10  # how long the loop rests when a pass could place nothing
+    max_attempts_per_pass: int = 256  # entries a pass tries that cannot be placed, before it rests
 
     def validate(self) -> None:
         if self.request_sort_indicator not in SORT_INDICATORS:
             raise ValueError(f"request_sort_indicator must be one of {SORT_INDICATORS}")
         if self.dispatch_batch_size < 1 or self.max_running_dispatch_tasks < 1:
             raise ValueError("dispatch_batch_size and max_running_dispatch_tasks must be >= 1")
-        if self.check_interval_ms < 1:
-            raise ValueError("check_interval_ms must be >= 1")
+        if self.check_interval_ms < 1 or self.max_attempts_per_pass < 1:
+            raise ValueError("check_interval_ms and max_attempts_per_pass must be >= 1")
 
 
 # ---- the queue (pure) -------------------------------------------------------------------------------------
@@ -78,39 +84,67 @@ def priority_key(meta: RoutingMeta, prompt_len: int, indicator: str) -> tuple:
 
 
 class RequestQueue:
-    """A priority queue, optionally partitioned by version (the lowest partition always drains first)."""
+    """A priority queue, optionally partitioned by version (the lowest partition always drains first).
+    `discard` takes an entry out in O(1): its heap slot is emptied and skipped when it comes up."""
 
     def __init__(self, indicator: str, partitioned: bool) -> None:
         self._indicator = indicator
         self._partitioned = partitioned
-        self._heaps: dict[int, list[tuple[tuple, int, QueueEntry]]] = {}
+        self._heaps: dict[int, list[tuple[tuple, int, int, list[QueueEntry | None]]]] = {}
         self._seq = itertools.count()
+        self._pushes = itertools.count()
+        self._slots: dict[int, list[QueueEntry | None]] = {}  # id(entry) -> its heap slot, while queued
+        self._lens: dict[int, int] = {}  # entries per partition
+
+    def _part(self, entry: QueueEntry) -> int:
+        return entry.partition if self._partitioned else 0
 
     def push(self, entry: QueueEntry, *, keep_seq: bool = False) -> None:
         if not keep_seq or not entry.seq:
             entry.seq = next(self._seq) + 1
             entry.key = priority_key(entry.meta, len(entry.request.prompt_ids), self._indicator)
-        part = entry.partition if self._partitioned else 0
-        heapq.heappush(self._heaps.setdefault(part, []), (entry.key, entry.seq, entry))
+        assert id(entry) not in self._slots, "an entry is in the queue once"
+        slot: list[QueueEntry | None] = [entry]
+        self._slots[id(entry)] = slot
+        part = self._part(entry)
+        heapq.heappush(self._heaps.setdefault(part, []), (entry.key, entry.seq, next(self._pushes), slot))
+        self._lens[part] = self._lens.get(part, 0) + 1
+
+    def discard(self, entry: QueueEntry) -> None:
+        """Take an entry out of the queue (a no-op for one not in it)."""
+        if id(entry) in self._slots:
+            self._take(entry)
+
+    def _take(self, entry: QueueEntry) -> None:
+        self._slots.pop(id(entry))[0] = None
+        part = self._part(entry)
+        self._lens[part] -= 1
+        if not self._lens[part]:
+            del self._lens[part]
 
     def pop(self) -> QueueEntry | None:
         for part in sorted(self._heaps):
             heap = self._heaps[part]
-            if heap:
-                entry = heapq.heappop(heap)[2]
-                if not heap:
-                    del self._heaps[part]
+            entry = None
+            while heap and entry is None:
+                entry = heapq.heappop(heap)[3][0]  # None: the slot of a discarded entry
+            if not heap:
+                del self._heaps[part]
+            if entry is not None:
+                self._take(entry)
                 return entry
         return None
 
     def __len__(self) -> int:
-        return sum(len(h) for h in self._heaps.values())
+        return len(self._slots)
 
     def entries(self) -> list[QueueEntry]:
-        return [e for part in sorted(self._heaps) for _, _, e in sorted(self._heaps[part])]
+        return [
+            slot[0] for part in sorted(self._heaps) for *_, slot in sorted(self._heaps[part]) if slot[0] is not None
+        ]
 
     def partition_lens(self) -> dict[str, int]:
-        return {str(part): len(h) for part, h in sorted(self._heaps.items())} if self._partitioned else {}
+        return {str(part): n for part, n in sorted(self._lens.items())} if self._partitioned else {}
 
 
 # ---- the loop ---------------------------------------------------------------------------------------------
@@ -138,6 +172,8 @@ class RoutingLoop:
         self._decisions = 0
         self._handoffs = 0
         self.running = 0  # dispatched requests whose iteration has not ended
+        # Entries taken from the queue that could not be placed: back in it once the queue has been tried through.
+        self._held: list[QueueEntry] = []
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -152,7 +188,7 @@ class RoutingLoop:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        for entry in self._queue.entries():
+        for entry in self._waiting():
             if not entry.future.done():
                 entry.future.cancel()
 
@@ -172,6 +208,9 @@ class RoutingLoop:
             if entry.future.done() and not entry.future.cancelled() and entry.future.exception() is None:
                 ticket: Ticket = entry.future.result()  # handed off just as the caller went away
                 self.finished(ticket, success=True)
+            else:
+                self._queue.discard(entry)  # the caller left: out of the queue now (a held one is dropped later)
+                self._queue_length_changed()
             raise
 
     def finished(self, ticket: Ticket, *, success: bool) -> None:
@@ -218,8 +257,20 @@ class RoutingLoop:
             "partition_queue_lens": {},
         }
 
+    def _waiting(self) -> list[QueueEntry]:
+        """Every entry waiting for an instance, in priority order: those a pass holds come first."""
+        return [e for e in self._held if not e.future.done()] + self._queue.entries()
+
+    def _num_waiting(self) -> int:
+        return len(self._queue) + sum(not e.future.done() for e in self._held)
+
     def status(self) -> dict[str, Any]:
-        queued = len(self._queue)
+        queued = self._num_waiting()
+        partitions = self._queue.partition_lens()
+        if self.config.enable_multi_priority_queue:
+            for e in self._held:
+                if not e.future.done():
+                    partitions[str(e.partition)] = partitions.get(str(e.partition), 0) + 1
         return {
             "enabled": True,
             "paused": self.paused,
@@ -232,8 +283,8 @@ class RoutingLoop:
             "running_tasks": self.running,
             "running_request_num": self.running,
             "max_running_dispatch_tasks": self.config.max_running_dispatch_tasks,
-            "queue_keys": [list(e.key) for e in self._queue.entries()[:64]],
-            "partition_queue_lens": self._queue.partition_lens(),
+            "queue_keys": [list(e.key) for e in self._waiting()[:64]],
+            "partition_queue_lens": dict(sorted(partitions.items(), key=lambda kv: int(kv[0]))),
         }
 
     def queued(self, max_version_tag: int) -> list[dict[str, Any]]:
@@ -245,17 +296,20 @@ class RoutingLoop:
                 "prompt_id": e.meta.prompt_id,
                 "is_validate": e.meta.is_validate,
             }
-            for e in self._queue.entries()
+            for e in self._waiting()
             if e.meta.version_tag <= max_version_tag
         ]
 
     # ---- internals -------------------------------------------------------------------------------------
 
-    def _enqueue(self, entry: QueueEntry, *, requeue: bool = False) -> None:
-        self._queue.push(entry, keep_seq=requeue)
-        if self._on_queue_length is not None:
-            self._on_queue_length(len(self._queue))
+    def _enqueue(self, entry: QueueEntry) -> None:
+        self._queue.push(entry)
+        self._queue_length_changed()
         self._wake.set()
+
+    def _queue_length_changed(self) -> None:
+        if self._on_queue_length is not None:
+            self._on_queue_length(self._num_waiting())
 
     def _settle(self) -> None:
         if not self._decisions and not self._handoffs:
@@ -267,22 +321,43 @@ class RoutingLoop:
             self._wake.clear()
             if self.paused:
                 continue
-            budget = min(self.config.dispatch_batch_size, self.config.max_running_dispatch_tasks - self.running)
-            popped: list[QueueEntry] = []
-            while len(popped) < budget:
+            placed = await self._pass()
+            if self._num_waiting() and self.running < self.config.max_running_dispatch_tasks:
+                if not placed:  # nothing could be placed: rest a tick before trying again
+                    await asyncio.sleep(self.config.check_interval_ms / 1000)
+                self._wake.set()
+
+    async def _pass(self) -> int:
+        """Place up to the budget of entries, in priority order. Entries that cannot be placed now are set
+        aside, at most `max_attempts_per_pass` a pass; the next pass goes on from there, and once the queue has
+        nothing left to try the set-aside entries return to it with their old priority. Returns how many
+        were placed."""
+        budget = min(self.config.dispatch_batch_size, self.config.max_running_dispatch_tasks - self.running)
+        placed = skipped = 0
+        while placed < budget and skipped < self.config.max_attempts_per_pass and not self.paused:
+            batch: list[QueueEntry] = []
+            while len(batch) < budget - placed:
                 entry = self._queue.pop()
                 if entry is None:
                     break
-                popped.append(entry)
-            if self._on_queue_length is not None:
-                self._on_queue_length(len(self._queue))
-            if not popped:
-                continue
-            placed = await asyncio.gather(*(self._place(e) for e in popped))
-            if len(self._queue) and self.running < self.config.max_running_dispatch_tasks:
-                if not any(placed):  # nothing could be placed: rest a tick before trying again
-                    await asyncio.sleep(self.config.check_interval_ms / 1000)
-                self._wake.set()
+                batch.append(entry)
+                self._held.append(entry)
+            if not batch:
+                break
+            for entry, ok in zip(batch, await asyncio.gather(*(self._place(e) for e in batch)), strict=True):
+                if ok:
+                    placed += 1
+                if ok or entry.future.done():
+                    self._held.remove(entry)
+                else:
+                    skipped += 1
+        if not len(self._queue):  # every waiting entry was tried: the set-aside ones queue again
+            for entry in self._held:
+                if not entry.future.done():
+                    self._queue.push(entry, keep_seq=True)
+            self._held.clear()
+        self._queue_length_changed()
+        return placed
 
     async def _place(self, entry: QueueEntry) -> bool:
         if entry.future.done():  # the caller went away while queued
@@ -302,8 +377,6 @@ class RoutingLoop:
             self._decisions -= 1
             self._settle()
         if selection.instance is None or self.paused or epoch != self.epoch or entry.future.done():
-            if not entry.future.done():
-                self._enqueue(entry, requeue=True)
             return False
         self._handoffs += 1
         ticket = self._selector.commit(selection.instance, entry.meta, entry.request)
@@ -315,14 +388,11 @@ class RoutingLoop:
             self._selector.release(ticket, success=True)
             self._handoffs -= 1
             self._settle()
-            self._enqueue(entry, requeue=True)
             return False
         if self.paused or epoch != self.epoch or entry.future.done():
             self._selector.release(ticket, success=True)
             self._handoffs -= 1
             self._settle()
-            if not entry.future.done():
-                self._enqueue(entry, requeue=True)
             return False
         self.running += 1
 

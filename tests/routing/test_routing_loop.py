@@ -164,6 +164,97 @@ async def test_max_running_caps_dispatch() -> None:
         await loop.stop()
 
 
+def _versioned(rid: int, version: int) -> RoutingMeta:
+    return RoutingMeta(request_id=rid, prompt_id=rid, version_tag=version)
+
+
+async def test_a_request_no_instance_can_take_does_not_hold_back_the_ones_behind_it() -> None:
+    reg, loop = _setup()
+    loop.start()
+    try:
+        blocked = asyncio.ensure_future(loop.acquire(_versioned(1, 7), SelectionRequest("1"), reg.instances))
+        await asyncio.sleep(0.05)
+        # Behind the blocker in priority order (a higher request id), and placeable: it is served.
+        later = await asyncio.wait_for(loop.acquire(_meta(2), SelectionRequest("2"), reg.instances), 2)
+        assert not blocked.done() and loop.status()["queue_len"] == 1
+        # Once version 7 is synced the blocker goes first again, ahead of a request queued after it.
+        for inst in reg.instances():
+            inst.paused = True
+        after = asyncio.ensure_future(loop.acquire(_meta(3), SelectionRequest("3"), reg.instances))
+        await asyncio.sleep(0.05)
+        assert [k[2] for k in loop.status()["queue_keys"]] == [1, 3]
+        reg.instances()[0].synced_version = 7
+        reg.instances()[0].paused = False
+        first = await asyncio.wait_for(blocked, 2)
+        assert first.instance is reg.instances()[0]
+        for t in (later, first):
+            loop.finished(t, success=True)
+        loop.finished(await asyncio.wait_for(after, 2), success=True)
+        assert loop.status()["queue_len"] == 0 and loop.status()["running_tasks"] == 0
+    finally:
+        await loop.stop()
+
+
+async def test_a_queued_request_whose_caller_left_leaves_the_queue() -> None:
+    reg, loop = _setup()
+    loop.start()
+    try:
+        waiting = [
+            asyncio.ensure_future(loop.acquire(_versioned(i, 9), SelectionRequest(str(i)), reg.instances))
+            for i in range(3)
+        ]
+        await asyncio.sleep(0.05)
+        assert loop.status()["queue_len"] == 3
+        waiting[1].cancel()
+        await asyncio.gather(waiting[1], return_exceptions=True)
+        assert loop.status()["queue_len"] == 2
+        assert [e["request_id"] for e in loop.queued(9)] == [0, 2]
+        for w in waiting:
+            w.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        await asyncio.sleep(0.05)
+        status = loop.status()
+        assert status["queue_len"] == 0 and status["pending_request_num"] == 0 and status["running_tasks"] == 0
+        assert all(i.inflight == 0 for i in reg.instances())
+    finally:
+        await loop.stop()
+
+
+async def test_more_blocked_requests_than_a_pass_tries_still_let_later_ones_through() -> None:
+    reg, loop = _setup(max_attempts_per_pass=4)
+    loop.start()
+    try:
+        blocked = [
+            asyncio.ensure_future(loop.acquire(_versioned(i, 5), SelectionRequest(str(i)), reg.instances))
+            for i in range(10)
+        ]
+        await asyncio.sleep(0.05)
+        ok = await asyncio.wait_for(loop.acquire(_meta(100), SelectionRequest("100"), reg.instances), 5)
+        assert loop.status()["queue_len"] == 10
+        loop.finished(ok, success=True)
+        for b in blocked:
+            b.cancel()
+        await asyncio.gather(*blocked, return_exceptions=True)
+        assert loop.status()["queue_len"] == 0
+    finally:
+        await loop.stop()
+
+
+def test_a_discarded_entry_is_skipped_and_counted_out() -> None:
+    q = RequestQueue("small_id", partitioned=True)
+    a, b, c = _entry(1, version=2), _entry(2, version=2), _entry(3, version=4)
+    for e in (a, b, c):
+        q.push(e)
+    q.discard(b)
+    q.discard(b)  # twice is a no-op
+    assert len(q) == 2 and q.partition_lens() == {"2": 1, "4": 1}
+    assert [e.meta.request_id for e in q.entries()] == [1, 3]
+    assert q.pop() is a
+    q.push(a, keep_seq=True)
+    assert [e.meta.request_id for e in iter(q.pop, None)] == [1, 3]
+    assert len(q) == 0 and q.partition_lens() == {}
+
+
 # ---- partial rollout bookkeeping -------------------------------------------------------------------------
 
 
