@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 
 # Failures of the instance itself (they count against its circuit breaker); client errors do not.
 WORKER_FAULTS = (WorkerUnavailable, WorkerStreamFailed, WorkerTimeout, WorkerInternalError)
+# How a replica that dies (or drops the connection) under a running request shows up mid-stream.
+REPLICA_FAILURES = (WorkerStreamFailed, WorkerUnavailable)
+START_ATTEMPTS = 3  # placements a PSRL request gets when its replica fails before answering
 
 
 LOOPBACK_WAIT_S = 300.0
@@ -143,9 +146,11 @@ class Dispatcher:
         if meta.has_psrl:
             try:
                 await self.admission.on_commit(ticket.instance, meta, ticket.pinned_version)
-            except Exception as e:
+            except BaseException as e:  # also cancelled (the client left): the ticket never leaks
                 self.selector.release(ticket, success=True)
-                raise WorkerUnavailable(f"could not record the placement: {e}") from e
+                if isinstance(e, Exception):
+                    raise WorkerUnavailable(f"could not record the placement: {e}") from e
+                raise
         return ticket
 
     def finish(self, ticket: Ticket, error: RouterError | None) -> None:
@@ -219,10 +224,10 @@ class Rollout:
         ticket = await self._d.acquire(self._model, self.meta, request, grpc_only=True)
         try:
             check_prompt(gen.prompt_ids, gen.sampling, ticket.instance.worker.max_context_length)
-        except RouterError:
+            params = self._d.kv_transfer_params(self._kv_source, gen)
+        except BaseException:  # whatever fails between placement and the call, the ticket is released
             self._d.finish(ticket, None)
             raise
-        params = self._d.kv_transfer_params(self._kv_source, gen)
         if params:
             gen = replace(gen, kv_transfer_params_json=params)
         call = await self._d.start_call(ticket, gen)
@@ -236,15 +241,29 @@ class Rollout:
         while True:
             try:
                 return await self._begin(gen)
-            except WorkerUnavailable:
+            except REPLICA_FAILURES:  # also a replica that failed before its health check noticed
                 if asyncio.get_running_loop().time() > deadline:
                     raise
                 await asyncio.sleep(0.1)
 
     async def start(self) -> Ticket:
-        self._call = await self._begin(self.states[0].original)
+        """Place the request and wait for its first frame. A PSRL request whose replica fails before that frame
+        (a non-streamed call's first frame is its answer) starts again elsewhere, a few times at most."""
+        for attempt in range(START_ATTEMPTS):
+            try:
+                self._call = await self._begin(self.states[0].original)
+                break
+            except REPLICA_FAILURES as e:
+                if not self._recovers or attempt == START_ATTEMPTS - 1:
+                    raise
+                logger.warning("request %s: %s; it starts again", self.states[0].original.request_id, e.message)
         assert self.ticket is not None
         return self.ticket
+
+    @property
+    def _recovers(self) -> bool:
+        """Whether a replica failure under this request loops it back (PSRL requests, partial rollout on)."""
+        return self.meta.has_psrl and self._d.partial_rollout
 
     def deltas(self) -> AsyncIterator[Delta]:
         assert self._call is not None, "start() first"
@@ -265,6 +284,20 @@ class Rollout:
         last = self._last[index]
         assert last is not None
         return Delta([], None, None, index, self.states[index].merged(last))
+
+    def _survive(self, error: RouterError, open_segments: list[Generation]) -> None:
+        """A replica that fails mid-decode under a PSRL request (partial rollout on) costs it nothing: its open
+        choices end as if a sync had aborted them, keeping what they streamed, and loop back to another
+        instance, where their KV is recomputed. Any other request fails with the error."""
+        if not self._recovers:
+            raise error
+        logger.warning(
+            "request %s: %s; it continues elsewhere with the tokens it had",
+            self.states[0].original.request_id,
+            error.message,
+        )
+        for segment in open_segments:
+            segment.finish_reason = "abort"
 
     async def _interrupted_by(self, ticket: Ticket, produced: bool) -> None:
         """Count an interruption (or a refusal, backing off), give up past the limits, and point the next
@@ -317,6 +350,8 @@ class Rollout:
             try:
                 async for delta in call.deltas() if watch is None else self._watched(call, watch):
                     yield delta
+            except REPLICA_FAILURES as e:
+                self._survive(e, [call.result])
             finally:
                 call.cancel()
                 self._d.finish(ticket, call.error)
@@ -326,7 +361,9 @@ class Rollout:
             if self._settle(0, segment, ticket):
                 yield self._closing(0)
                 return
-            if segment.output_ids or segment.kv_moved_tokens:
+            if call.error is not None:
+                self._kv_source = None  # the replica failed: its KV is gone, the next hop recomputes it
+            elif segment.output_ids or segment.kv_moved_tokens:
                 # It ran there (its KV, moved in or computed, is now pinned there): the next hop pulls from it.
                 self._kv_source = (ticket.instance.id, call.gen.request_id)
             await self._interrupted_by(ticket, bool(segment.output_ids))
@@ -355,6 +392,14 @@ class Rollout:
                         yield self._closing(delta.index)
                     else:
                         unfinished.append(delta.index)
+            except REPLICA_FAILURES as e:
+                open_choices = [i for i, r in enumerate(call.results) if r.finish_reason is None]
+                self._survive(e, [call.results[i] for i in open_choices])
+                for i in open_choices:
+                    if self._settle(i, call.results[i], ticket):
+                        yield self._closing(i)
+                    else:
+                        unfinished.append(i)
             finally:
                 call.cancel()
                 self._d.finish(ticket, call.error)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 
 import httpx
-from _procs import start_replica, start_router, wait_for
+from _procs import replica_busy, start_replica, start_router, wait_for
 
 from psrl.gateway.processes import stop_processes
 
@@ -101,3 +103,53 @@ def _loads(url: str) -> str:
 
     with grpc.insecure_channel(url.removeprefix("grpc://")) as ch:
         return str(vllm_engine_pb2_grpc.VllmEngineStub(ch).GetLoads(vllm_engine_pb2.GetLoadsRequest(), timeout=5))
+
+
+def _psrl(i: int) -> dict[str, str]:
+    return {"x-request-id": str(i), "x-prompt-id": str(i)}
+
+
+def test_psrl_requests_on_a_replica_killed_mid_decode_continue_on_another(model_dir, log_dir) -> None:
+    """kill -9 under running PSRL requests: each keeps what it streamed, loops back to the live replica (its KV
+    recomputed there) and ends as an uninterrupted run would; nothing stays counted in flight."""
+    a = start_replica(model_dir, log_dir)
+    b = start_replica(model_dir, log_dir)
+    router = start_router(log_dir, [a.url, b.url])
+    sp = {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0}
+    body = {"input_ids": [1, 2, 3], "sampling_params": sp, "return_logprob": True}
+    chat = {"messages": MSG, "max_tokens": 1500, "ignore_eos": True, "temperature": 0, "stream": True}
+    chat["stream_options"] = {"include_usage": True}
+    try:
+        expected = httpx.post(f"{router.url}/generate", json=body, timeout=120).json()["output_ids"]
+        results: dict[int, httpx.Response] = {}
+        streamed: list[str] = []
+
+        def one(i: int) -> None:
+            results[i] = httpx.post(f"{router.url}/generate", json=body, headers=_psrl(i), timeout=180)
+
+        def stream() -> None:
+            with httpx.stream(
+                "POST", f"{router.url}/v1/chat/completions", json=chat, headers=_psrl(99), timeout=180
+            ) as r:
+                streamed.extend(line[6:] for line in r.iter_lines() if line.startswith("data: "))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)] + [threading.Thread(target=stream)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: replica_busy(a.url) >= 2)
+        os.kill(a.proc.pid, signal.SIGKILL)
+        for t in threads:
+            t.join(180)
+        for i in range(4):
+            r = results[i]
+            assert r.status_code == 200, r.text
+            out = r.json()
+            assert out["output_ids"] == expected and out["meta_info"]["finish_reason"]["type"] == "length"
+            assert len(out["meta_info"]["output_token_logprobs"]) == 1500
+        assert streamed[-1] == "[DONE]" and not any('"error"' in e for e in streamed)
+        assert json.loads(streamed[-2])["usage"]["completion_tokens"] == 1500
+        assert "continues elsewhere" in router.log_text()
+        workers = lambda: httpx.get(f"{router.url}/workers").json()["workers"]  # noqa: E731
+        wait_for(lambda: all(i["inflight_requests"] == 0 for w in workers() for i in w["instances"]))
+    finally:
+        stop_processes([a.proc, b.proc, router.proc])

@@ -124,10 +124,15 @@ class _Dispatcher:
 
 
 async def _run(
-    replica: _Replica, sampling: SamplingSpec, stream: bool = True, tok: Tokenizer | None = None
+    replica: _Replica,
+    sampling: SamplingSpec,
+    stream: bool = True,
+    tok: Tokenizer | None = None,
+    meta: RoutingMeta | None = None,
 ) -> tuple[Rollout, list[Delta]]:
     dispatcher = _Dispatcher(replica, tok)
-    rollout = Rollout(dispatcher, "m", RoutingMeta(), GenerationInput("req", PROMPT, sampling, stream))  # type: ignore[arg-type]
+    gen = GenerationInput("req", PROMPT, sampling, stream)
+    rollout = Rollout(dispatcher, "m", meta or RoutingMeta(), gen)  # type: ignore[arg-type]
     await rollout.start()
     deltas = [d async for d in rollout.deltas()]
     assert dispatcher.released == len(replica.requests)  # every ticket released once
@@ -233,6 +238,42 @@ async def test_a_failed_continuation_fails_the_request() -> None:
 
     with pytest.raises(WorkerStreamFailed):
         await _run(_Replica(script), SamplingSpec(n=2, max_tokens=4))
+
+
+PSRL = RoutingMeta(request_id=1, prompt_id=1)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_psrl_request_whose_replica_dies_mid_decode_continues_with_its_tokens(stream: bool) -> None:
+    def script(request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+        if request.request_id == "req":
+            return [chunk([1]), chunk([2])]  # then the stream breaks: no complete frame
+        return [chunk([3]), complete([3], "length")]
+
+    replica = _Replica(script)
+    rollout, _ = await _run(replica, SamplingSpec(max_tokens=3, logprobs=0), stream=stream, meta=PSRL)
+    [gen] = rollout.results
+    assert gen.output_ids == [1, 2, 3] and gen.finish_reason == "length" and gen.logprobs == [-0.5] * 3
+    again = replica.requests[1]
+    assert list(again.tokenized.input_ids) == [*PROMPT, 1, 2] and again.sampling_params.max_tokens == 1
+    assert not again.kv_transfer_params_json  # the failed replica's KV is gone: recomputed
+
+
+async def test_the_choices_of_a_psrl_request_whose_replica_dies_each_continue() -> None:
+    def script(request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+        if request.request_id == "req":
+            return [chunk([1], 0), chunk([5], 1), complete([5], "stop", 1)]  # choice 0 is cut off
+        assert list(request.tokenized.input_ids) == [*PROMPT, 1]
+        return [chunk([2], 0), complete([2], "length", 0)]
+
+    rollout, _ = await _run(_Replica(script), SamplingSpec(n=2, max_tokens=2), meta=PSRL)
+    assert [g.output_ids for g in rollout.results] == [[1, 2], [5]]
+    assert [g.finish_reason for g in rollout.results] == ["length", "stop"]
+
+
+async def test_a_replica_failure_still_fails_a_request_without_psrl_headers() -> None:
+    with pytest.raises(WorkerStreamFailed, match="without a complete frame"):
+        await _run(_Replica(lambda r: [chunk([1])]), SamplingSpec(max_tokens=3))
 
 
 async def test_a_frame_for_a_choice_that_does_not_exist_is_a_stream_failure() -> None:
