@@ -54,9 +54,16 @@ class InstanceState:
         return self.synced_version if self.synced_version is not None else self.worker.label_weight_version
 
     @property
+    def reported(self) -> SchedulerStats:
+        """What the engine last reported; nothing while the worker is down (a dead engine runs nothing, and a
+        stale count would hold up whoever waits for requests to drain)."""
+        return self.stats if self.healthy else SchedulerStats()
+
+    @property
     def load(self) -> int:
         """Queue depth: the larger of what we dispatched and what the engine last reported."""
-        return max(self.inflight, self.stats.num_running_reqs + self.stats.num_waiting_reqs)
+        stats = self.reported
+        return max(self.inflight, stats.num_running_reqs + stats.num_waiting_reqs)
 
     @property
     def healthy(self) -> bool:
@@ -76,9 +83,9 @@ class InstanceState:
             "paused": self.paused,
             "circuit_breaker": self.breaker.state.value,
             "weight_version": self.weight_version,
-            "running_requests": self.stats.num_running_reqs,
-            "waiting_requests": self.stats.num_waiting_reqs,
-            "kv_cache_usage": self.stats.kv_cache_usage,
+            "running_requests": self.reported.num_running_reqs,
+            "waiting_requests": self.reported.num_waiting_reqs,
+            "kv_cache_usage": self.reported.kv_cache_usage,
             "inflight_requests": self.inflight,
             "load": self.load,
         }

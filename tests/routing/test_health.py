@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from psrl.router.health import BreakerConfig, BreakerState, CircuitBreaker, HealthConfig, HealthTracker
+from psrl.router.registry import SchedulerStats, WorkerRegistry
 
 
 def test_health_thresholds() -> None:
@@ -35,3 +36,16 @@ def test_breaker_opens_half_opens_and_closes() -> None:
     b.on_dispatch()
     b.record(True, 22)
     assert b.state is BreakerState.CLOSED and b.allows(22)
+
+
+def test_a_worker_that_is_down_reports_no_running_requests() -> None:
+    reg = WorkerRegistry()
+    worker = reg.create_worker("w", "grpc://h:1", models=["m"], labels={}, dp_size=1)
+    [inst] = worker.instances
+    inst.stats = SchedulerStats(num_running_reqs=7, num_waiting_reqs=2, kv_cache_usage=0.5)
+    inst.inflight = 1
+    assert inst.to_json()["running_requests"] == 7 and inst.load == 9
+    worker.health.mark_down()  # its last report is stale now: a dead engine runs nothing
+    described = inst.to_json()
+    assert (described["running_requests"], described["waiting_requests"], described["kv_cache_usage"]) == (0, 0, 0)
+    assert inst.load == 1 and worker.to_json()["load"] == 1  # what the router itself still has in flight
