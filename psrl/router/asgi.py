@@ -1,6 +1,10 @@
 """The router's own minimal ASGI layer: exact-path routing, a request with its headers and body, plain and
 streaming responses, lifespan. A general framework's middleware stack, routing regexes and response objects
 cost more CPU per request than the proxying itself; this keeps the hot path to what it needs.
+
+A client that leaves is noticed once, for the whole request: after its body is read, one task waits for
+`http.disconnect`, and its arrival cancels the handler (a non-streamed generation) or the stream being sent,
+so the pipeline aborts the replica's work and releases the instance at once.
 """
 
 from __future__ import annotations
@@ -20,12 +24,17 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
+class ClientDisconnected(ConnectionError):
+    """The client left before its request body was whole (or the server refused the body)."""
+
+
 class Request:
-    __slots__ = ("_body", "_receive", "arrived", "headers", "method", "path", "path_params", "query")
+    __slots__ = ("_body", "_left", "_receive", "arrived", "headers", "method", "path", "path_params", "query")
 
     def __init__(self, scope: Scope, receive: Receive, path_params: dict[str, str]) -> None:
         self._receive = receive
         self._body: bytes | None = None
+        self._left: asyncio.Future[None] | None = None
         self.arrived = time.perf_counter()  # for latency and time-to-first-token metrics
         self.method: str = scope["method"]
         self.path: str = scope["path"]
@@ -41,15 +50,28 @@ class Request:
             while more:
                 message = await self._receive()
                 if message["type"] == "http.disconnect":
-                    raise ConnectionError("client disconnected while sending the body")
+                    raise ClientDisconnected("client disconnected while sending the body")
                 parts.append(message.get("body", b""))
                 more = message.get("more_body", False)
             self._body = b"".join(parts)
         return self._body
 
-    async def wait_disconnect(self) -> None:
+    def client_left(self) -> asyncio.Future[None]:
+        """Done when the client disconnects (or its answer is complete): the request's one watcher of
+        `receive()`, so nothing else reads it concurrently. Only once the body is read, which it consumes."""
+        if self._left is None:
+            if self._body is None:
+                raise RuntimeError("the body must be read before watching for a disconnect")
+            self._left = asyncio.ensure_future(self._wait_disconnect())
+        return self._left
+
+    async def _wait_disconnect(self) -> None:
         while (await self._receive())["type"] != "http.disconnect":
             pass
+
+    def close(self) -> None:
+        if self._left is not None:
+            self._left.cancel()
 
 
 def _raw_headers(media_type: str, headers: dict[str, str] | None, length: int | None) -> list[tuple[bytes, bytes]]:
@@ -123,13 +145,11 @@ class StreamingResponse:
 
     async def __call__(self, request: Request, send: Send) -> None:
         streamer = asyncio.ensure_future(self._stream(send))
-        watcher = asyncio.ensure_future(request.wait_disconnect())
         try:
-            await asyncio.wait((streamer, watcher), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((streamer, request.client_left()), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            watcher.cancel()
             streamer.cancel()  # a no-op when it finished; otherwise the client left (or we are being cancelled)
-            await asyncio.gather(streamer, watcher, return_exceptions=True)
+            await asyncio.gather(streamer, return_exceptions=True)
             aclose = getattr(self.chunks, "aclose", None)
             if aclose is not None:
                 await aclose()  # runs the iterator's `finally` even if it was parked at a `yield`
@@ -139,6 +159,20 @@ class StreamingResponse:
 
 AnyResponse = Response | StreamingResponse
 Handler = Callable[[Request], Awaitable[AnyResponse]]
+
+
+def _not_routed(scope: Scope, known_path: bool) -> Response:
+    status = 405 if known_path else 404
+    error = "method not allowed" if known_path else "not found"
+    body = {
+        "error": {
+            "message": f"{error}: {scope['method']} {scope['path']}",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": error.replace(" ", "_"),
+        }
+    }
+    return json_response(body, status, {"x-smg-error-code": error.replace(" ", "_")})
 
 
 class App:
@@ -176,24 +210,34 @@ class App:
             handler, params, known = self._resolve(scope["method"], scope["path"])
             request = Request(scope, receive, params)
             if handler is None:
-                status = 405 if known else 404
-                error = "method not allowed" if known else "not found"
-                response: AnyResponse = json_response(
-                    {
-                        "error": {
-                            "message": f"{error}: {scope['method']} {scope['path']}",
-                            "type": "invalid_request_error",
-                            "param": None,
-                            "code": error.replace(" ", "_"),
-                        }
-                    },
-                    status,
-                )
-            else:
-                response = await handler(request)
-            await response(request, send)
+                await _not_routed(scope, known)(request, send)
+                return
+            try:
+                await request.body()
+            except ClientDisconnected:
+                return  # nothing to answer: the client is gone
+            try:
+                await self._respond(handler, request, send)
+            finally:
+                request.close()
         elif kind == "lifespan":
             await self._run_lifespan(receive, send)
+
+    @staticmethod
+    async def _respond(handler: Handler, request: Request, send: Send) -> None:
+        """Run the handler while watching the client: if it leaves first, the handler is cancelled (its
+        `finally` blocks release the instance and cancel the upstream call) and nothing is sent."""
+        handling = asyncio.ensure_future(handler(request))
+        try:
+            await asyncio.wait((handling, request.client_left()), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not handling.done():
+                handling.cancel()
+                await asyncio.gather(handling, return_exceptions=True)
+        if handling.cancelled():
+            return
+        response = handling.result()
+        await response(request, send)
 
     async def _run_lifespan(self, receive: Receive, send: Send) -> None:
         await receive()  # lifespan.startup

@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+from psrl.replica_auth import load_replica_token
 from psrl.router.dispatch import KvTransferConfig
 from psrl.router.health import BreakerConfig, HealthConfig
 from psrl.router.pipeline.tool_calls import make_tool_parser
@@ -18,6 +19,7 @@ from psrl.router.policies.cache_aware import CacheAwareConfig
 from psrl.router.routing_loop import RoutingLoopConfig
 from psrl.router.selector import SelectorConfig
 from psrl.router.tito_bridge import TitoConfig
+from psrl.serving import HttpLimits
 
 POLICIES = ("round_robin", "random", "power_of_two", "least_load", "consistent_hash", "cache_aware", "cache_aware_v1")
 # PSRL's routing_strategy.method names for the same policies.
@@ -35,11 +37,16 @@ class RouterConfig:
     tokenizer_path: str | None = None
     api_key: str | None = None
     admin_api_key: str | None = None
+    metrics_require_key: bool = False  # /metrics open (Prometheus on loopback) unless on: then the admin key
+    replica_token_file: str | None = None  # the replicas' gRPC token; else $PSRL_REPLICA_TOKEN (psrl.replica_auth)
     request_timeout_s: float | None = None
     connect_timeout_s: float = 5.0
     load_poll_interval_s: float = 1.0  # GetLoads polling (least_load, cache_aware); 0 disables
     enable_kv_events: bool = True  # subscribe to workers' KV events (cache_aware_v1 only)
-    max_payload_bytes: int = 64 << 20
+    max_payload_bytes: int = 64 << 20  # refused (413) while the body is read, before it is buffered
+    client_header_timeout_s: float = 30.0  # a connection's request head must arrive within this (else closed)
+    client_body_timeout_s: float = 30.0  # the longest pause inside a request body (else 408)
+    graceful_shutdown_timeout_s: int = 10  # on SIGTERM, requests still open after this are cancelled
     log_level: str = "info"
     log_format: str = "text"
     tool_call_parser: str | None = None  # hermes/qwen format; None -> "qwen" (PSRL's default), "none" disables
@@ -67,6 +74,9 @@ class RouterConfig:
             raise ValueError("request timeout must be positive")
         if self.log_format not in ("text", "json"):
             raise ValueError("log_format must be text or json")
+        self.http_limits().validate()
+        if self.graceful_shutdown_timeout_s < 0:
+            raise ValueError("graceful_shutdown_timeout_s must be >= 0")
         self.health.validate()
         self.breaker.validate()
         self.selector.validate()
@@ -77,6 +87,16 @@ class RouterConfig:
         make_tool_parser(self.tool_call_parser)  # raises on an unknown parser name
         if self.max_rollout_iterations < 1 or self.psmanager_rpc_timeout_s <= 0:
             raise ValueError("max_rollout_iterations must be >= 1 and psmanager_rpc_timeout_s positive")
+        if self.metrics_require_key and not self.admin_api_key:
+            raise ValueError("metrics_require_key needs admin_api_key: /metrics then takes the admin key")
+        self.replica_token()  # an unreadable or empty token file fails here, at start
+
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(self.max_payload_bytes, self.client_header_timeout_s, self.client_body_timeout_s)
+
+    def replica_token(self) -> str | None:
+        """The token the router sends on every call to its replicas (None: it sends none)."""
+        return load_replica_token(self.replica_token_file)
 
 
 def _build(cls: type, data: dict[str, Any], where: str) -> Any:
@@ -145,11 +165,26 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--tokenizer-path", help="local tokenizer folder; default: fetched from a worker (GetTokenizer)")
     p.add_argument("--api-key", help="data-plane bearer key (optional)")
     p.add_argument("--admin-api-key", help="bearer key for /workers* and /routing_loop* (optional)")
+    p.add_argument(
+        "--metrics-require-key",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="/metrics takes the admin key too (default: open, for scrapers on loopback)",
+    )
+    p.add_argument(
+        "--replica-token-file",
+        help="file with the replicas' shared gRPC token, sent on every call to them (default $PSRL_REPLICA_TOKEN)",
+    )
     p.add_argument("--request-timeout-s", type=float)
     p.add_argument("--connect-timeout-s", type=float)
     p.add_argument("--load-poll-interval-s", type=float)
     p.add_argument("--enable-kv-events", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--max-payload-bytes", type=int)
+    p.add_argument("--max-payload-bytes", type=int, help="largest request body (default 64 MiB); larger is a 413")
+    p.add_argument("--client-header-timeout-s", type=float, help="time for a request head to arrive (default 30)")
+    p.add_argument("--client-body-timeout-s", type=float, help="longest pause inside a request body (default 30)")
+    p.add_argument(
+        "--graceful-shutdown-timeout-s", type=int, help="on SIGTERM, wait this long for open requests (default 10)"
+    )
     p.add_argument("--tool-call-parser", help="hermes | qwen (default) | none")
     p.add_argument("--enable-partial-rollout", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--max-rollout-iterations", type=int)

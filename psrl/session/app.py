@@ -12,8 +12,10 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from psrl.apis import chat_sse_events, message_sse_events, response_sse_events
+from psrl.serving import loads_bounded
 from psrl.session.config import SessionConfig
 from psrl.session.state import (
     RANK_HEADER,
@@ -68,6 +70,12 @@ class UpstreamUnavailable(SessionError):
     status, code = 502, "router_unavailable"
 
 
+def render_error(code: str, message: str) -> bytes:
+    """The SessionRouter's error body (the code travels as `x-smg-error-code`), also for what its HTTP layer
+    refuses before a handler runs (too large, too slow, malformed framing)."""
+    return json.dumps({"error": message}).encode()
+
+
 def _passthrough_headers(upstream: httpx.Response) -> dict[str, str]:
     """What the client sees of the router's answer: its x-* headers (instance, version, request id)."""
     return {k: v for k, v in upstream.headers.items() if k.lower().startswith("x-")}
@@ -86,12 +94,33 @@ def _upstream_response(upstream: httpx.Response, extra: dict[str, str] | None = 
 
 def _json_body(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InvalidBody(f"invalid JSON body: {e}") from None
+        body = loads_bounded(raw)
+    except ValueError as e:
+        raise InvalidBody(str(e)) from None
     if not isinstance(body, dict):
         raise InvalidBody("the JSON body must be an object")
     return body
+
+
+def _wants_stream(body: dict[str, Any]) -> bool:
+    """`stream` as the router reads it: absent, null or a boolean; anything else is the client's mistake."""
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise InvalidBody(f"'stream' must be a boolean, got {type(stream).__name__}")
+    return bool(stream)
+
+
+def _authorization(request: Request) -> dict[str, str]:
+    """The client's own credentials for the router, forwarded as given."""
+    auth = request.headers.get("authorization")
+    return {"authorization": auth} if auth is not None else {}
+
+
+def _reopen(state: SessionState, was_hung: bool) -> None:
+    """Undo `start_closing` after a DELETE the router refused: the session goes on as it was."""
+    state.closing = False
+    if was_hung:
+        state.hang()
 
 
 def _json_of(upstream: httpx.Response) -> Any:
@@ -135,9 +164,16 @@ class SessionRouter:
             await self._client.aclose()
             self._client = None
 
-    async def upstream(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    async def upstream(
+        self, method: str, path: str, *, headers: dict[str, str] | None = None, **kwargs: Any
+    ) -> httpx.Response:
+        """One call to the router. The client's Authorization goes along; without one, `router_api_key`."""
+        headers = dict(headers or {})
+        key = self.config.router_api_key
+        if key and not any(name.lower() == "authorization" for name in headers):
+            headers["authorization"] = f"Bearer {key}"
         try:
-            return await self.client.request(method, path, **kwargs)
+            return await self.client.request(method, path, headers=headers, **kwargs)
         except httpx.TransportError as e:
             raise UpstreamUnavailable(f"router unreachable: {type(e).__name__}: {e}") from e
 
@@ -150,16 +186,15 @@ class SessionRouter:
         return state
 
     async def create(self, request: Request) -> Response:
-        auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}
-        upstream = await self.upstream("POST", "/tito/sessions", headers=auth)
+        upstream = await self.upstream("POST", "/tito/sessions", headers=_authorization(request))
         if upstream.status_code >= 300:
             return _upstream_response(upstream)
         sid = upstream.json()["session_id"]
         self.sessions.add(SessionState(sid, headers=session_headers_from(request.headers)))
         return JSONResponse({"session_id": sid})
 
-    async def get(self, sid: str) -> Response:
-        upstream = await self.upstream("GET", f"/tito/sessions/{sid}")
+    async def get(self, sid: str, request: Request) -> Response:
+        upstream = await self.upstream("GET", f"/tito/sessions/{sid}", headers=_authorization(request))
         extra: dict[str, str] = {}
         state = self.sessions.get(sid)
         if state is not None and state.base_worker_id is not None:
@@ -168,13 +203,25 @@ class SessionRouter:
                 extra[RANK_HEADER] = state.target_dp_rank
         return _upstream_response(upstream, extra)
 
-    async def delete(self, sid: str) -> Response:
+    async def delete(self, sid: str, request: Request) -> Response:
+        """Close the session here and on the router. The local state goes only once the router's is gone
+        (deleted, or unknown to it); a refused or failed delete leaves the session as it was."""
         state = self.sessions.get(sid)
+        was_hung = False
         if state is not None:
+            was_hung = state.hang_state == "hung" or state.marked_for_hang
             state.start_closing()
             await state.drained.wait()
-        upstream = await self.upstream("DELETE", f"/tito/sessions/{sid}")
-        self.sessions.remove(sid)
+        try:
+            upstream = await self.upstream("DELETE", f"/tito/sessions/{sid}", headers=_authorization(request))
+        except UpstreamUnavailable:
+            if state is not None:
+                _reopen(state, was_hung)
+            raise
+        if upstream.is_success or upstream.status_code == 404:
+            self.sessions.remove(sid)
+        elif state is not None:
+            _reopen(state, was_hung)
         return _upstream_response(upstream)
 
     # ---- turns ----------------------------------------------------------------------------------------
@@ -195,7 +242,7 @@ class SessionRouter:
         from the buffered result."""
         state = self.state(sid)
         body = _json_body(await request.body())
-        wants_stream = bool(body.get("stream"))
+        wants_stream = _wants_stream(body)
         body["stream"] = False
         body.pop("stream_options", None)
         if path == CHAT_PATH:
@@ -271,8 +318,8 @@ class SessionRouter:
 
     async def control_items(self, request: Request) -> list[tuple[str, dict[str, Any]]]:
         try:
-            return session_ids_of(json.loads(await request.body()))
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
+            return session_ids_of(loads_bounded(await request.body()))
+        except ValueError as e:  # the body's JSON, or its shape
             raise InvalidBody(str(e)) from None
 
     def hang(self, items: list[tuple[str, dict[str, Any]]]) -> dict[str, list[str]]:
@@ -320,17 +367,21 @@ def create_app(config: SessionConfig, *, transport: httpx.AsyncBaseTransport | N
     async def _on_error(_: Request, e: SessionError) -> JSONResponse:
         return JSONResponse({"error": e.message}, status_code=e.status, headers={"x-smg-error-code": e.code})
 
+    @app.exception_handler(ClientDisconnect)
+    async def _on_client_gone(_: Request, e: ClientDisconnect) -> Response:
+        return Response(status_code=400)  # never delivered: the client left, or its body was refused
+
     @app.post("/sessions")
     async def create_session(request: Request) -> Response:
         return await sr.create(request)
 
     @app.get("/sessions/{sid}")
-    async def get_session(sid: str) -> Response:
-        return await sr.get(sid)
+    async def get_session(sid: str, request: Request) -> Response:
+        return await sr.get(sid, request)
 
     @app.delete("/sessions/{sid}")
-    async def delete_session(sid: str) -> Response:
-        return await sr.delete(sid)
+    async def delete_session(sid: str, request: Request) -> Response:
+        return await sr.delete(sid, request)
 
     @app.post("/sessions/{sid}/v1/messages/count_tokens")
     async def count_tokens(sid: str) -> dict[str, int]:

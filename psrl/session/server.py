@@ -1,4 +1,5 @@
-"""`python -m psrl.session`: serve the SessionRouter on uvicorn; `--port 0` announces the address it got."""
+"""`python -m psrl.session`: serve the SessionRouter on uvicorn (httptools, bounded per connection); `--port 0`
+announces the address it got."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import socket
 
 import uvicorn
 
-from psrl.session.app import create_app
+from psrl.serving import guarded_protocol
+from psrl.session.app import create_app, render_error
 from psrl.session.config import SessionConfig, parse_args
 
 READY_MARKER = "PSRL_SESSION_READY"
@@ -30,9 +32,12 @@ async def serve(config: SessionConfig) -> None:
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(config),
+            http=guarded_protocol(config.http_limits(), render_error),
+            ws="none",
             log_level=config.log_level,
             access_log=False,
             timeout_keep_alive=30,
+            timeout_graceful_shutdown=config.graceful_shutdown_timeout_s,
         )
     )
     announce = asyncio.create_task(_announce_when_started(server, f"http://{config.host}:{port}"))

@@ -267,7 +267,7 @@ async def test_streaming_reply_is_built_from_the_buffered_result(client: httpx.A
 async def test_errors_count_tokens_and_catch_all(client: httpx.AsyncClient, mock: MockRouter) -> None:
     sid = await _session(client)
     r = await client.post(f"/sessions/{sid}/v1/chat/completions", content=b"{not json")
-    assert r.status_code == 400 and "invalid JSON" in r.json()["error"]
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
     assert (await _turn(client, "nope")).status_code == 404
     r = await client.post(f"/sessions/{sid}/v1/messages/count_tokens", json={})
     assert r.json() == {"input_tokens": 0}

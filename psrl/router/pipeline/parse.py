@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import array
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from psrl.router.errors import BadRequest, PayloadTooLarge
 from psrl.router.pipeline.context import SamplingSpec
+from psrl.serving import JsonBodyError, loads_bounded
+from psrl.tokenizer import TEMPLATE_CALL_ARGS, lone_surrogate_at
 
 _MISSING = object()
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -20,12 +21,14 @@ MAX_N = 128
 
 
 def parse_json(raw: bytes, max_bytes: int) -> Any:
+    """The body's JSON value (None for an empty body). The server refuses oversized bodies while reading them;
+    the size check here keeps the stage correct on its own."""
     if len(raw) > max_bytes:
         raise PayloadTooLarge(f"request body is {len(raw)} bytes; the limit is {max_bytes}")
     try:
-        return json.loads(raw) if raw else None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"request body is not valid JSON: {e}") from e
+        return loads_bounded(raw) if raw else None
+    except JsonBodyError as e:
+        raise BadRequest(str(e)) from None
 
 
 def parse_json_body(raw: bytes, max_bytes: int) -> dict[str, Any]:
@@ -131,6 +134,45 @@ def get_token_ids(value: Any, name: str) -> list[int]:
     return value
 
 
+def check_text(value: str, name: str) -> str:
+    """Text bound for the tokenizer (or a proto string) must be valid Unicode. JSON can carry a lone surrogate
+    ("\\ud800"), which has no UTF-8 form: the tokenizer and protobuf both refuse it."""
+    position = lone_surrogate_at(value)
+    if position is not None:
+        raise _lone_surrogate(name, value, position, name)
+    return value
+
+
+def _lone_surrogate(what: str, text: str, position: int, param: str) -> BadRequest:
+    return BadRequest(
+        f"{what} holds a lone surrogate {text[position]!a} at character {position}, which is not valid Unicode "
+        "(an escaped surrogate must be half of a pair)",
+        param=param,
+    )
+
+
+def check_json_text(value: Any, name: str) -> None:
+    """check_text over every string of a JSON value, object keys included; the error names the string's path
+    (e.g. messages[2].tool_calls[0].function.arguments). Iterative: a deep value cannot exhaust the stack."""
+    stack: list[tuple[Any, str]] = [(value, name)]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, str):
+            check_text(node, path)
+            continue
+        children: list[tuple[Any, str]] = []
+        if isinstance(node, dict):
+            for key, child in node.items():
+                position = lone_surrogate_at(key) if isinstance(key, str) else None
+                if position is not None:
+                    raise _lone_surrogate(f"a key of {path}", key, position, path)
+                if isinstance(child, str | dict | list):
+                    children.append((child, f"{path}.{key}"))
+        elif isinstance(node, list):
+            children = [(child, f"{path}[{i}]") for i, child in enumerate(node) if isinstance(child, str | dict | list)]
+        stack.extend(reversed(children))  # depth first, in document order
+
+
 def get_stop(body: dict[str, Any]) -> list[str]:
     value = _present(body, "stop")
     if value is _MISSING:
@@ -140,6 +182,8 @@ def get_stop(body: dict[str, Any]) -> list[str]:
         raise BadRequest("'stop' must be a string or a list of strings", param="stop")
     if not all(stops):
         raise BadRequest("'stop' cannot contain an empty string", param="stop")
+    for stop in stops:
+        check_text(stop, "stop")
     return stops
 
 
@@ -272,9 +316,20 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
         kwargs = {}
     elif not isinstance(kwargs, dict):
         raise BadRequest("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    taken = sorted(TEMPLATE_CALL_ARGS.intersection(kwargs))
+    if taken:
+        raise BadRequest(
+            f"chat_template_kwargs cannot set {taken[0]!r}: the router's template call sets "
+            f"{', '.join(sorted(TEMPLATE_CALL_ARGS))} itself",
+            param=f"chat_template_kwargs.{taken[0]}",
+        )
+    messages = _messages(body)
+    # Every string the template may render (content, parts, tool arguments, names, tools, template variables).
+    for name, value in (("messages", body["messages"]), ("tools", tools), ("chat_template_kwargs", kwargs)):
+        check_json_text(value, name)
     return ChatRequest(
         model=get_str(body, "model", None),
-        messages=_messages(body),
+        messages=messages,
         tools=tools,
         sampling=sampling,
         stream=get_bool(body, "stream", False),
@@ -303,9 +358,9 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
         raise BadRequest("'prompt' is required", param="prompt")
     prompts: list[str | list[int]]
     if isinstance(prompt, str):
-        prompts = [prompt]
+        prompts = [check_text(prompt, "prompt")]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts = list(prompt)
+        prompts = [check_text(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
         prompts = [get_token_ids(p, "prompt") for p in prompt]
     elif isinstance(prompt, list) and prompt:

@@ -1,0 +1,68 @@
+"""JSON request bodies parsed with explicit bounds, so a hostile body is a client error and never a crash:
+nesting deeper than `MAX_JSON_DEPTH` and integer literals longer than Python's digit limit are refused."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from typing import Any
+
+import numpy as np
+
+# Deeper than any real request (tool schemas nest a few dozen levels) and far below the interpreter's
+# recursion limit, so neither json.loads nor later code that walks the value (json.dumps, templates) recurses
+# out of stack.
+MAX_JSON_DEPTH = 256
+
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_NOT_BRACKETS = bytes(range(256)).translate(None, b"[]{}")
+# Brackets as bytes one above (an opening one) or one below (a closing one) zero, for a cumulative sum.
+_BRACKET_STEPS = bytes.maketrans(b"[{]}", b"\x02\x02\x00\x00")
+_CHUNK = 1 << 20  # brackets per cumulative-sum step: bounds the scan's temporary memory
+
+
+class JsonBodyError(ValueError):
+    """The body is not JSON we accept; the message names the problem for the client."""
+
+
+def _opens(text: str) -> int:
+    return text.count("[") + text.count("{")
+
+
+def nesting_depth_exceeds(text: str, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether the brackets of `text`, outside its strings, nest deeper than `limit`. Linear and in C: a
+    body that opens at most `limit` brackets cannot nest deeper, which spares almost every request the scan."""
+    if _opens(text) <= limit:
+        return False
+    structure = _STRING.sub("", text)  # brackets inside strings do not nest
+    if _opens(structure) <= limit:
+        return False
+    brackets = structure.encode("utf-8", "surrogatepass").translate(_BRACKET_STEPS, _NOT_BRACKETS)
+    steps = np.frombuffer(brackets, dtype=np.uint8)
+    depth = 0
+    for start in range(0, len(steps), _CHUNK):
+        running = np.cumsum(steps[start : start + _CHUNK], dtype=np.int64)
+        running -= np.arange(1, len(running) + 1)  # each step was stored one above its value
+        running += depth
+        if int(running.max()) > limit:
+            return True
+        depth = int(running[-1])
+    return False
+
+
+def loads_bounded(raw: bytes) -> Any:
+    """`json.loads` of a request body (UTF-8, -16 or -32, as json detects it), or a JsonBodyError."""
+    try:
+        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
+    except UnicodeDecodeError as e:
+        raise JsonBodyError(f"request body is not valid JSON: {e}") from None
+    if nesting_depth_exceeds(text):
+        raise JsonBodyError(f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise JsonBodyError(f"request body is not valid JSON: {e}") from None
+    except ValueError:  # the only other ValueError json raises: int() refusing a very long literal
+        limit = sys.get_int_max_str_digits()
+        raise JsonBodyError(f"request body has an integer literal longer than {limit} digits") from None

@@ -1,0 +1,57 @@
+"""The bounded JSON parser both servers share (pure, no server): nesting is measured outside strings, at
+the documented limit, and every refusal is a JsonBodyError naming the problem."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from psrl.serving import MAX_JSON_DEPTH, JsonBodyError, loads_bounded
+from psrl.serving.json_body import nesting_depth_exceeds
+
+
+def _chain(depth: int) -> str:
+    value: object = 1
+    for i in range(depth):
+        value = [value, {"k": "[[{"}] if i % 2 else {"v": value, "s": "]]}"}
+    return json.dumps(value)
+
+
+@pytest.mark.parametrize("depth", [1, 100, MAX_JSON_DEPTH - 1, MAX_JSON_DEPTH])
+def test_depth_up_to_the_limit_is_accepted(depth: int) -> None:
+    text = "[" * depth + "]" * depth
+    assert not nesting_depth_exceeds(text)
+    assert loads_bounded(text.encode()) is not None
+
+
+def test_depth_counts_brackets_outside_strings_only() -> None:
+    assert not nesting_depth_exceeds(json.dumps({"s": "[" * 5000, "t": '\\"[' * 5000}))
+    assert not nesting_depth_exceeds("[]" * 50_000)  # many brackets, shallow
+    assert nesting_depth_exceeds("[]" * 50_000 + "[" * (MAX_JSON_DEPTH + 1))
+    # one level per step, brackets in strings at every level, sibling objects as deep as the innermost value
+    assert not nesting_depth_exceeds(_chain(MAX_JSON_DEPTH))
+    assert nesting_depth_exceeds(_chain(MAX_JSON_DEPTH + 1))
+
+
+@pytest.mark.parametrize(
+    ("raw", "words"),
+    [
+        (b"[" * 200_000, f"nested deeper than {MAX_JSON_DEPTH}"),
+        (b"[" * 2000 + b"]" * 2000, f"nested deeper than {MAX_JSON_DEPTH}"),
+        (b"1" * 5000, "longer than 4300 digits"),
+        (b"{not json", "not valid JSON"),
+        (b"\xff\xfe\xfd", "not valid JSON"),
+        (b"", "not valid JSON"),
+    ],
+)
+def test_refusals_name_the_problem(raw: bytes, words: str) -> None:
+    with pytest.raises(JsonBodyError, match=words):
+        loads_bounded(raw)
+
+
+def test_values_parse_as_json_loads_does() -> None:
+    for value in ({"a": [1, 2.5, None, True, "é\ud800"]}, [], "x", 10**4000):
+        raw = json.dumps(value).encode()
+        assert loads_bounded(raw) == json.loads(raw)
+    assert loads_bounded('{"a": 1}'.encode("utf-16")) == {"a": 1}
