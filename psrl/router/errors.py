@@ -12,7 +12,8 @@ ERROR_CODE_HEADER = "x-smg-error-code"
 
 class RouterError(Exception):
     status: int = 500
-    code: str = "internal_error"
+    code: str = "internal_error"  # the body's `code`, and the header's unless header_code says otherwise
+    header_code: str | None = None
     error_type: str = "server_error"
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
@@ -34,7 +35,8 @@ class RouterError(Exception):
         }
 
     def to_response(self) -> Response:
-        return Response(json.dumps(self.body()), self.status, "application/json", {ERROR_CODE_HEADER: self.code})
+        headers = {ERROR_CODE_HEADER: self.header_code or self.code}
+        return Response(json.dumps(self.body()), self.status, "application/json", headers)
 
 
 class BadRequest(RouterError):
@@ -44,7 +46,11 @@ class BadRequest(RouterError):
 
 
 class PromptOverflow(BadRequest):
-    code = "prompt_overflow"
+    """The prompt (with max_tokens) does not fit the context. Two readers: client libraries (openai, litellm)
+    classify a context-window error by the body's OpenAI code; PSRL reads the header (COMPAT section 1)."""
+
+    code = "context_length_exceeded"
+    header_code = "prompt_overflow"
 
 
 class RequestAborted(BadRequest):

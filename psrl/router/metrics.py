@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from psrl.router.registry import WorkerRegistry
@@ -61,6 +61,21 @@ class _InstanceCollector(Collector):
             yield family
 
 
+class FunctionCounter(Collector):
+    """A counter that another object keeps (a plain int it increments), read when /metrics is scraped."""
+
+    def __init__(self, name: str, documentation: str) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._read: Callable[[], float] = lambda: 0
+
+    def set_function(self, read: Callable[[], float]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self._name, self._documentation, value=self._read())
+
+
 class RouterMetrics:
     def __init__(self, workers: WorkerRegistry) -> None:
         self.registry = CollectorRegistry()
@@ -100,6 +115,10 @@ class RouterMetrics:
             registry=self.registry,
         )
         self.tito_sessions = Gauge("psrl_router_tito_sessions", "TITO sessions held", registry=self.registry)
+        self.tito_sessions_expired = FunctionCounter(
+            "psrl_router_tito_sessions_expired", "TITO sessions dropped after --tito-session-ttl-s idle"
+        )
+        self.registry.register(self.tito_sessions_expired)
         self.queue_length = Gauge("psrl_router_queue_length", "requests waiting to be routed", registry=self.registry)
         self.registry.register(_InstanceCollector(workers))
 

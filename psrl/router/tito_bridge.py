@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +13,7 @@ from typing import Any
 from psrl.router.errors import BadRequest, Conflict, NotFound, RouterError
 from psrl.router.pipeline.parse import ChatRequest
 from psrl.tito import (
+    InvalidTurn,
     PreparedTurn,
     SessionNotFound,
     TitoError,
@@ -33,10 +36,15 @@ class TitoConfig:
     tito_max_turns: int = 1000
     tito_drop_dead_leaves: bool = True
     max_trim_tokens: int = 0
+    # A session no request has named for this long (and with no turn in flight) expires; 0: never.
+    tito_session_ttl_s: float = 3600.0
+    # With an api_key, each bearer credential may hold this many live sessions; 0: no per-client cap.
+    tito_max_sessions_per_client: int = 0
 
     def validate(self) -> None:
-        if min(self.tito_gc_threshold, self.tito_max_sessions, self.tito_max_turns, self.max_trim_tokens) < 0:
-            raise ValueError("TITO limits must be >= 0")
+        limits = (self.tito_gc_threshold, self.tito_max_sessions, self.tito_max_turns, self.max_trim_tokens)
+        if min(*limits, self.tito_max_sessions_per_client) < 0 or not self.tito_session_ttl_s >= 0:
+            raise ValueError("TITO limits (and tito_session_ttl_s) must be >= 0")
 
 
 def as_router_error(e: TitoError) -> RouterError:
@@ -73,19 +81,36 @@ class TitoBridge:
                         max_trim_tokens=c.max_trim_tokens,
                         debug=c.tito_debug,
                         drop_dead_leaves=c.tito_drop_dead_leaves,
+                        session_ttl_s=c.tito_session_ttl_s,
+                        max_sessions_per_client=c.tito_max_sessions_per_client,
                     )
         return self._store
 
     def num_sessions(self) -> int:
         return 0 if self._store is None else len(self._store)
 
+    def sessions_expired(self) -> int:
+        return 0 if self._store is None else self._store.sessions_expired
+
+    @staticmethod
+    def client_of(authorization: str | None) -> str | None:
+        """The per-client cap's key: the bearer credential the client presented (hashed, so the store never holds
+        a secret). None (no cap) without one."""
+        if not authorization:
+            return None
+        return hashlib.sha256(authorization.encode("latin-1", "replace")).hexdigest()[:32]
+
     # ---- endpoints ----------------------------------------------------------------------------------
 
-    async def create(self) -> str:
+    async def create(self, client: str | None = None) -> str:
+        store = await self.store()
         try:
-            return (await self.store()).create_session()
+            sid = store.create_session(client)
         except TitoError as e:
             raise as_router_error(e) from e
+        if len(self._instances) > 2 * len(store) + 64:  # sessions expired: forget their instances (amortized)
+            self._instances = {k: v for k, v in self._instances.items() if k in store}
+        return sid
 
     async def snapshot(self, sid: str) -> dict[str, Any]:
         try:
@@ -161,6 +186,10 @@ class TitoBridge:
                 token_versions=token_versions,
                 assistant_message=assistant_message,
             )
+        except InvalidTurn as e:  # refused as it is (it was the pending turn): it must not stay pending
+            with contextlib.suppress(TitoError):
+                store.abandon_turn(prepared.session_id, prepared.trajectory_id)
+            raise as_router_error(e) from e
         except TitoError as e:
             raise as_router_error(e) from e
         self._instances[prepared.session_id] = instance

@@ -12,11 +12,13 @@ import json
 import logging
 import secrets
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from psrl.tokenizer import ChatTemplateError, Tokenizer
+from psrl.tokenizer import TEMPLATE_CALL_ARGS, ChatTemplateError, InvalidTextError, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,12 @@ class SessionNotFound(TitoError):
 
 class TooManySessions(TitoError):
     code = "too_many_sessions"
+
+
+class TooManyClientSessions(TooManySessions):
+    """One client holds max_sessions_per_client live sessions already."""
+
+    code = "too_many_client_sessions"
 
 
 class TooManyTurns(TitoError):
@@ -157,6 +165,9 @@ class _Session:
     trajectories: dict[int, _Trajectory] = field(default_factory=dict)
     next_node_id: int = 0
     turns_recorded: int = 0
+    client: str | None = None  # who created it, for the per-client cap
+    last_used: float = 0.0  # the store's clock at the last call that named the session (or a turn's end)
+    turns_in_flight: int = 0  # prepared and neither recorded nor abandoned: the session cannot expire
 
     def path(self, node_id: int | None) -> list[_Node]:
         """Nodes root -> node_id."""
@@ -172,8 +183,20 @@ class _Session:
 # --- the store ---------------------------------------------------------------------------------------------
 
 
+# At most this many idle sessions expire per call, so that one call (on the router's event loop) never holds
+# the lock long freeing big sessions; each creation expires up to this many, far more than the one it adds,
+# so expired sessions never pile up.
+EXPIRE_BATCH = 16
+
+
 class TitoStore:
-    """Sessions of token-exact turns. One lock guards the store; every method is synchronous and bounded."""
+    """Sessions of token-exact turns. One lock guards the store; every method is synchronous and bounded.
+
+    With `session_ttl_s`, a session no call has named for that long expires (a session with a turn in flight
+    never does): expired sessions are swept when sessions are created, a bounded batch each time, and one that
+    is named after its TTL is gone (SessionNotFound). `max_sessions_per_client` caps the live sessions of each
+    `client` that create_session is given.
+    """
 
     def __init__(
         self,
@@ -185,23 +208,36 @@ class TitoStore:
         max_trim_tokens: int = 0,
         debug: bool = False,
         drop_dead_leaves: bool = False,
+        session_ttl_s: float = 0.0,
+        max_sessions_per_client: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         for name, value in (
             ("max_sessions", max_sessions),
             ("max_turns_per_session", max_turns_per_session),
             ("gc_threshold", gc_threshold),
             ("max_trim_tokens", max_trim_tokens),
+            ("max_sessions_per_client", max_sessions_per_client),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if isinstance(session_ttl_s, bool) or not isinstance(session_ttl_s, int | float) or not session_ttl_s >= 0:
+            raise ValueError(f"session_ttl_s must be a non-negative number (0: no expiry), got {session_ttl_s!r}")
         self.tokenizer = tokenizer
         self.max_sessions = max_sessions
+        self.session_ttl_s = float(session_ttl_s)
+        self.max_sessions_per_client = max_sessions_per_client
+        self.sessions_expired = 0  # since the store was built (the router's expiry counter reads it)
+        self._clock = clock
         self.max_turns_per_session = max_turns_per_session
         self.gc_threshold = gc_threshold
         self.max_trim_tokens = max_trim_tokens
         self.debug = debug
         self.drop_dead_leaves = drop_dead_leaves
         self._sessions: dict[str, _Session] = {}
+        # The sessions without a turn in flight, least recently used first: expiry looks only at the front.
+        self._idle: OrderedDict[str, None] = OrderedDict()
+        self._per_client: dict[str, int] = {}
         self._lock = threading.Lock()
         # The end-of-turn token texts (the template writes one after an assistant message), longest first.
         self._eot_text_of = {i: tokenizer.decode([i], skip_special_tokens=False) for i in tokenizer.eos_token_ids}
@@ -209,18 +245,35 @@ class TitoStore:
 
     # ---- sessions ---------------------------------------------------------------------------------------
 
-    def create_session(self) -> str:
+    def create_session(self, client: str | None = None) -> str:
+        """A new session; `client` (an opaque id, e.g. a credential's hash) counts against its own cap."""
         with self._lock:
+            self._expire_idle(EXPIRE_BATCH)
             if len(self._sessions) >= self.max_sessions:
-                raise TooManySessions(f"the TITO store already holds max_sessions={self.max_sessions} sessions")
+                raise TooManySessions(
+                    f"the TITO store already holds max_sessions={self.max_sessions} sessions"
+                    + (f" (idle ones expire after {self.session_ttl_s:g} s)" if self.session_ttl_s else "")
+                )
+            cap = self.max_sessions_per_client
+            if client is not None and cap and self._per_client.get(client, 0) >= cap:
+                raise TooManyClientSessions(
+                    f"this client already holds max_sessions_per_client={cap} TITO sessions; delete finished ones"
+                )
             sid = secrets.token_urlsafe(18)
-            self._sessions[sid] = _Session(sid)
+            session = self._sessions[sid] = _Session(sid, client=client)
+            if client is not None:
+                self._per_client[client] = self._per_client.get(client, 0) + 1
+            self._touch(session)
             return sid
 
     def delete_session(self, sid: str) -> None:
         with self._lock:
-            if self._sessions.pop(sid, None) is None:
-                raise SessionNotFound(f"TITO session {sid!r} not found")
+            self._drop(self._session(sid))
+
+    def expire_idle(self, limit: int | None = None) -> int:
+        """Drop the sessions idle for longer than session_ttl_s (at most `limit`); how many were dropped."""
+        with self._lock:
+            return self._expire_idle(limit)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -231,6 +284,9 @@ class TitoStore:
     def num_nodes(self, sid: str) -> int:
         with self._lock:
             return len(self._session(sid).nodes)
+
+    def client_sessions(self, client: str) -> int:
+        return self._per_client.get(client, 0)
 
     # ---- turns ------------------------------------------------------------------------------------------
 
@@ -263,6 +319,9 @@ class TitoStore:
             msgs = _check_messages(messages)
             tool_list = [dict(t) for t in tools] if tools else None
             kwargs = dict(template_kwargs or {})
+            taken = TEMPLATE_CALL_ARGS.intersection(kwargs)
+            if taken:
+                raise InvalidTurn(f"template_kwargs cannot set {sorted(taken)}: the template call sets them")
             own_path = session.path(traj.leaf) if traj is not None else []
             chain, items = _chain_hashes([{"tools": tool_list, "template_kwargs": kwargs}, *msgs], own_path)
             full = self._render(msgs, True, tool_list, kwargs)
@@ -292,9 +351,12 @@ class TitoStore:
                     rendered, new_text = start, suffix
                     prompt_ids = _ids_of(path)
             reused = len(prompt_ids)
-            prompt_ids += self.tokenizer.encode(new_text)
-            if self.debug:
-                report += _compare_ids(prompt_ids, self.tokenizer.encode(full))
+            try:
+                prompt_ids += self.tokenizer.encode(new_text)
+                if self.debug:
+                    report += _compare_ids(prompt_ids, self.tokenizer.encode(full))
+            except InvalidTextError as e:
+                raise InvalidTurn(f"the messages cannot be tokenized: {e}") from None
 
             parent_id = parent.id if parent is not None else None
             leaf = traj.leaf if traj is not None else None
@@ -312,6 +374,8 @@ class TitoStore:
             if traj is None:
                 traj = session.trajectories[trajectory_id] = _Trajectory(trajectory_id)
             traj.pending = prepared
+            session.turns_in_flight += 1
+            self._idle.pop(sid, None)  # in use: out of expiry's reach until the turn ends
             return prepared
 
     def record_turn(
@@ -383,6 +447,7 @@ class TitoStore:
                 traj.dead_leaves.append(old_leaf)
             traj.leaf = node.id
             traj.pending = None
+            self._end_turn(session)
             if self.drop_dead_leaves:
                 traj.dead_leaves.clear()
             if len(session.nodes) > self.gc_threshold:
@@ -396,7 +461,9 @@ class TitoStore:
             traj = session.trajectories.get(trajectory_id)
             if traj is None:
                 return
-            traj.pending = None
+            if traj.pending is not None:
+                traj.pending = None
+                self._end_turn(session)
             if traj.leaf is None and not traj.dead_leaves:
                 del session.trajectories[trajectory_id]
 
@@ -446,10 +513,53 @@ class TitoStore:
     # ---- internals --------------------------------------------------------------------------------------
 
     def _session(self, sid: str) -> _Session:
+        """The session, as used now (its idle time starts again); an idle one past its TTL expires here."""
         session = self._sessions.get(sid)
+        if session is not None and self._expired(session, self._clock()):
+            self._drop(session)
+            self.sessions_expired += 1
+            session = None
         if session is None:
             raise SessionNotFound(f"TITO session {sid!r} not found")
+        self._touch(session)
         return session
+
+    def _expired(self, session: _Session, now: float) -> bool:
+        return bool(self.session_ttl_s) and not session.turns_in_flight and now - session.last_used > self.session_ttl_s
+
+    def _touch(self, session: _Session) -> None:
+        session.last_used = self._clock()
+        if not session.turns_in_flight:
+            self._idle[session.id] = None
+            self._idle.move_to_end(session.id)
+
+    def _end_turn(self, session: _Session) -> None:
+        session.turns_in_flight -= 1
+        self._touch(session)  # idle from the end of its last turn on
+
+    def _drop(self, session: _Session) -> None:
+        del self._sessions[session.id]
+        self._idle.pop(session.id, None)
+        if session.client is not None:
+            left = self._per_client[session.client] - 1
+            if left:
+                self._per_client[session.client] = left
+            else:
+                del self._per_client[session.client]
+
+    def _expire_idle(self, limit: int | None) -> int:
+        if not self.session_ttl_s:
+            return 0
+        now = self._clock()
+        dropped = 0
+        while self._idle and (limit is None or dropped < limit):
+            oldest = self._sessions[next(iter(self._idle))]
+            if not self._expired(oldest, now):
+                break  # the rest were used more recently
+            self._drop(oldest)
+            dropped += 1
+        self.sessions_expired += dropped
+        return dropped
 
     def _render(
         self,
@@ -572,7 +682,8 @@ def _chain_step(previous: str, message: Any) -> str:
         text = "".join(f"{len(k)}\x1f{k}{len(v)}\x1f{v}" for k, v in sorted(message.items()))
     else:
         text = "\x1d" + json.dumps(message, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
-    return hashlib.sha256(previous.encode() + b"\x00" + text.encode()).hexdigest()
+    # surrogatepass: a lone surrogate (which the tokenizer then refuses) must not crash the hash first
+    return hashlib.sha256(previous.encode() + b"\x00" + text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _chain_hashes(items: list[Any], recorded: list[_Node]) -> tuple[list[str], list[Any]]:

@@ -10,6 +10,7 @@ import functools
 import hashlib
 import io
 import json
+import re
 import tempfile
 import zipfile
 from collections.abc import Sequence
@@ -33,6 +34,15 @@ class TokenizerLoadError(RuntimeError):
 
 class ChatTemplateError(ValueError):
     """The chat template refused the messages (it raised) or could not be rendered."""
+
+
+class InvalidTextError(ValueError):
+    """The text cannot be tokenized: it holds a lone UTF-16 surrogate (e.g. from a JSON "\\ud800" escape),
+    which is no Unicode character and has no UTF-8 bytes."""
+
+
+# What apply_chat_template passes to the template itself: extra template variables may not name them.
+TEMPLATE_CALL_ARGS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 def _raise_exception(message: str) -> None:
@@ -120,13 +130,23 @@ class Tokenizer:
         return tuple(ids)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Raises InvalidTextError for text that is not valid Unicode (a lone surrogate)."""
         # RL rollouts send each prompt many times (a group of samples per prompt): remember recent encodings.
         if len(text) > ENCODE_CACHE_MAX_CHARS:
-            return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
+            return list(self._encode_uncached(text, add_special_tokens))
         return list(self._encode_cached(text, add_special_tokens))
 
     def _encode_uncached(self, text: str, add_special_tokens: bool) -> tuple[int, ...]:
-        return tuple(self._hf.encode(text, add_special_tokens=add_special_tokens).ids)
+        try:
+            return tuple(self._hf.encode(text, add_special_tokens=add_special_tokens).ids)
+        except (TypeError, ValueError):  # the library's answer to a str with no UTF-8 form: diagnosed only then
+            position = lone_surrogate_at(text) if isinstance(text, str) else None
+            if position is None:
+                raise
+            raise InvalidTextError(
+                f"the text holds a lone surrogate {text[position]!a} at character {position}, which is not valid "
+                "Unicode"
+            ) from None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -158,6 +178,9 @@ class Tokenizer:
         tools: Sequence[dict[str, Any]] | None = None,
         **extra: Any,
     ) -> str:
+        taken = TEMPLATE_CALL_ARGS.intersection(extra)
+        if taken:
+            raise ChatTemplateError(f"template variables {sorted(taken)} are set by the template call itself")
         try:
             return self._template.render(
                 messages=list(messages),
@@ -171,6 +194,18 @@ class Tokenizer:
             raise
         except (jinja2.TemplateError, TypeError, KeyError, AttributeError) as e:
             raise ChatTemplateError(f"chat template failed on these messages: {e}") from e
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate_at(text: str) -> int | None:
+    """The index of the first lone surrogate in `text`, or None. ASCII text (the common case) is not scanned:
+    str.isascii() is O(1) in CPython."""
+    if text.isascii():
+        return None
+    found = _SURROGATE.search(text)
+    return None if found is None else found.start()
 
 
 class IncrementalDecoder:

@@ -8,7 +8,7 @@ import uuid
 from psrl.router.errors import BadRequest, PromptOverflow
 from psrl.router.pipeline.context import SamplingSpec
 from psrl.router.pipeline.parse import ChatRequest
-from psrl.tokenizer import ChatTemplateError, Tokenizer
+from psrl.tokenizer import ChatTemplateError, InvalidTextError, Tokenizer
 
 # Templating and tokenizing text longer than this runs off the event loop, so one huge prompt does not
 # stall every other request the router is streaming.
@@ -19,10 +19,13 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-async def _encode(tokenizer: Tokenizer, text: str) -> list[int]:
-    if len(text) > _OFF_LOOP_CHARS:
-        return await asyncio.to_thread(tokenizer.encode, text)
-    return tokenizer.encode(text)
+async def _encode(tokenizer: Tokenizer, text: str, param: str) -> list[int]:
+    try:
+        if len(text) > _OFF_LOOP_CHARS:
+            return await asyncio.to_thread(tokenizer.encode, text)
+        return tokenizer.encode(text)
+    except InvalidTextError as e:  # diagnosed only on failure: valid text pays nothing for the check
+        raise BadRequest(f"{param}: {e}", param=param) from None
 
 
 async def chat_prompt_ids(chat: ChatRequest, tokenizer: Tokenizer) -> list[int]:
@@ -39,30 +42,40 @@ async def chat_prompt_ids(chat: ChatRequest, tokenizer: Tokenizer) -> list[int]:
         text = await asyncio.to_thread(render) if size > _OFF_LOOP_CHARS else render()
     except ChatTemplateError as e:
         raise BadRequest(f"chat template rejected the messages: {e}", param="messages") from e
-    return await _encode(tokenizer, text)
+    return await _encode(tokenizer, text, "messages")
 
 
-async def text_prompt_ids(prompt: str | list[int], tokenizer: Tokenizer) -> list[int]:
-    if isinstance(prompt, str):
-        if not prompt:
-            raise BadRequest("prompt is empty", param="prompt")
-        return await _encode(tokenizer, prompt)
+async def text_prompt_ids(prompt: str | list[int], tokenizer: Tokenizer, param: str = "prompt") -> list[int]:
+    """A completions (or /generate) prompt's ids; `param` names the field it came in."""
     if not prompt:
-        raise BadRequest("prompt is empty", param="prompt")
+        raise BadRequest("prompt is empty", param=param)
+    if isinstance(prompt, str):
+        return await _encode(tokenizer, prompt, param)
     return prompt
 
 
 def check_prompt(prompt_ids: list[int], sampling: SamplingSpec, max_context: int) -> None:
-    """Refuse before dispatch what the replica would refuse anyway, with vLLM's wording."""
-    if max_context and len(prompt_ids) >= max_context:
-        raise PromptOverflow(
-            f"The prompt (length {len(prompt_ids)}) is longer than the maximum model length of {max_context}.",
-            param="messages",
+    """Refuse before dispatch a prompt that (with max_tokens) does not fit the context.
+
+    The message opens with OpenAI's (and older vLLM's) context-window wording, which client libraries match,
+    and ends with vLLM's "longer than the maximum model length", which PSRL matches (COMPAT section 1).
+    """
+    prompt = len(prompt_ids)
+    if not max_context:
+        return
+    if prompt < max_context and (sampling.max_tokens is None or prompt + sampling.max_tokens <= max_context):
+        return
+    completion = sampling.max_tokens or 1  # unset: at least the one token a generation must produce
+    if prompt > max_context:
+        detail = f"The prompt (length {prompt}) is longer than the maximum model length of {max_context}."
+    else:
+        detail = (
+            f"The prompt (length {prompt}) plus {completion} completion token(s) is longer than the maximum "
+            f"model length of {max_context}."
         )
-    if max_context and sampling.max_tokens is not None and len(prompt_ids) + sampling.max_tokens > max_context:
-        raise BadRequest(
-            f"This model's maximum context length is {max_context} tokens. However, you requested "
-            f"{len(prompt_ids) + sampling.max_tokens} tokens ({len(prompt_ids)} in the prompt, "
-            f"{sampling.max_tokens} for the completion). Reduce the prompt or max_tokens.",
-            param="max_tokens",
-        )
+    raise PromptOverflow(
+        f"This model's maximum context length is {max_context} tokens. However, you requested "
+        f"{prompt + completion} tokens ({prompt} in the messages, {completion} in the completion). "
+        f"Please reduce the length of the messages or completion. {detail}",
+        param="messages" if prompt >= max_context else "max_tokens",
+    )
