@@ -9,6 +9,7 @@ safetensors, so vLLM loads real weights (greedy decoding is reproducible) and ha
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -114,3 +115,18 @@ def start_vllm_replica(
         time.sleep(0.2)
     stop_processes([proc])
     raise TimeoutError(f"vLLM replica not ready in {STARTUP_TIMEOUT_S}s:\n{log.read_text(errors='replace')}")
+
+
+def greedy_request(
+    rid: str, prompt: list[int], n: int, kv_transfer_params: dict | None = None
+) -> vllm_engine_pb2.GenerateRequest:
+    """A streamed greedy Generate of exactly `n` tokens (EOS ignored), optionally carrying KV-transfer params."""
+    request = vllm_engine_pb2.GenerateRequest(
+        request_id=rid,
+        tokenized=vllm_engine_pb2.TokenizedInput(input_ids=prompt),
+        stream=True,
+        sampling_params=vllm_engine_pb2.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+    )
+    if kv_transfer_params is not None:
+        request.kv_transfer_params_json = json.dumps(kv_transfer_params)
+    return request

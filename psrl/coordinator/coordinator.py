@@ -28,6 +28,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from psrl._proto import replica_control_pb2 as rc
 from psrl._proto import replica_control_pb2_grpc as rc_grpc
+from psrl.replica_auth import load_replica_token, token_interceptors
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -77,9 +78,13 @@ class RolloutCoordinator:
         router_url: str,
         *,
         admin_api_key: str | None = None,
+        replica_token: str | None = None,
         rpc_timeout_s: float = 120.0,
         loopback_timeout_s: float = 120.0,
     ) -> None:
+        """`replica_token`: what tokened replicas require on their control calls (default: the environment's
+        PSRL_REPLICA_TOKEN, as the router and the replicas read it)."""
+        self._interceptors = token_interceptors(replica_token or load_replica_token())
         headers = {"Authorization": f"Bearer {admin_api_key}"} if admin_api_key else {}
         self._http = httpx.AsyncClient(base_url=router_url.rstrip("/"), headers=headers, timeout=rpc_timeout_s)
         self._rpc_timeout_s = rpc_timeout_s
@@ -102,7 +107,7 @@ class RolloutCoordinator:
 
     def _channel(self, target: str) -> grpc.aio.Channel:
         if target not in self._channels:
-            self._channels[target] = grpc.aio.insecure_channel(target)
+            self._channels[target] = grpc.aio.insecure_channel(target, interceptors=self._interceptors)
         return self._channels[target]
 
     def _control(self, replica: ReplicaHandle) -> rc_grpc.ReplicaControlStub:

@@ -18,6 +18,7 @@ import httpx
 import yaml
 
 from psrl.gateway.processes import first_free_port, spawn_module, stop_processes
+from psrl.replica_auth import ROUTER_API_KEY_ENV, TOKEN_FILE_FLAG, load_replica_token
 
 logger = logging.getLogger("psrl.gateway")
 REPLICA_ENGINES = ("reference", "vllm")
@@ -34,6 +35,9 @@ class GatewayConfig:
     tokenizer_path: str | None = None
     api_key: str | None = None
     admin_api_key: str | None = None
+    # The replicas' shared gRPC token, given to the router and to the replicas started here (psrl.replica_auth);
+    # without it they use $PSRL_REPLICA_TOKEN, which they inherit from the gateway.
+    replica_token_file: str | None = None
     # As PSRL launches it: the routing loop on, the psrl selector (the router's default), and an optional
     # PSManager ("" disables selection stage 4).
     enable_routing_loop: bool = True
@@ -61,6 +65,7 @@ class GatewayConfig:
             raise ValueError("vLLM replicas need a model folder (--model DIR)")
         if self.replica_engine_args and self.replica_engine != "vllm":
             raise ValueError("replica_engine_args are vLLM engine arguments; they need replica_engine vllm")
+        load_replica_token(self.replica_token_file)  # an unreadable or empty file fails here, not in a child
 
     @property
     def replica_dp_sizes(self) -> list[int]:
@@ -116,6 +121,7 @@ class RolloutGateway:
             ("--tokenizer-path", cfg.tokenizer_path),
             ("--api-key", cfg.api_key),
             ("--admin-api-key", cfg.admin_api_key),
+            (TOKEN_FILE_FLAG, cfg.replica_token_file),
         ):
             if value:
                 args += [flag, value]
@@ -150,11 +156,13 @@ class RolloutGateway:
                 args += ["--torch-threads", str(cfg.embedded_torch_threads)]
             if cfg.embedded_model:
                 args += ["--model", cfg.embedded_model]
-            if cfg.admin_api_key:
-                args += ["--router-api-key", cfg.admin_api_key]
+            if cfg.replica_token_file:
+                args += [TOKEN_FILE_FLAG, cfg.replica_token_file]
+            # The admin key they register with goes in their environment, not on a command line others can read.
+            env = {ROUTER_API_KEY_ENV: cfg.admin_api_key} if cfg.admin_api_key else None
             if cfg.replica_engine_args:
                 args += ["--", *cfg.replica_engine_args]
-            self._replicas.append(spawn_module("psrl.worker", args, log_file=self._log(f"replica-{i}")))
+            self._replicas.append(spawn_module("psrl.worker", args, log_file=self._log(f"replica-{i}"), env=env))
 
     def _admin_headers(self) -> dict[str, str]:
         key = self.config.admin_api_key
@@ -256,6 +264,11 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     p.add_argument("--tokenizer-path")
     p.add_argument("--api-key")
     p.add_argument("--admin-api-key")
+    p.add_argument(
+        TOKEN_FILE_FLAG,
+        dest="replica_token_file",
+        help="file with the replicas' shared gRPC token, for the router and the replicas (default $PSRL_REPLICA_TOKEN)",
+    )
     p.add_argument("--replica-engine", choices=REPLICA_ENGINES, help="the engine of the replicas started here")
     p.add_argument("--model", "--embedded-model", dest="embedded_model", help="model folder of those replicas")
     p.add_argument("--embedded-dp-sizes", type=int, nargs="+", help="one replica per entry, with that dp_size")

@@ -89,7 +89,7 @@ class RouterApp:
         config.validate()
         self.config = config
         self.registry = WorkerRegistry(config.health, config.breaker)
-        self.clients = WorkerClients()
+        self.clients = WorkerClients(config.replica_token())
         self.http = HttpWorkers(config.connect_timeout_s, config.request_timeout_s)
         self.metrics = RouterMetrics(self.registry)
         self.policy = make_policy(config.policy, config.cache_aware)
@@ -111,6 +111,7 @@ class RouterApp:
         self.tool_parser = make_tool_parser(config.tool_call_parser)
         self.tito = TitoBridge(config.tito, self._default_tokenizer)
         self.metrics.tito_sessions.set_function(self.tito.num_sessions)
+        self.metrics.tito_sessions_expired.set_function(self.tito.sessions_expired)
         self.tokenizers = TokenizerStore(self.registry, self.clients, config.tokenizer_path)
         self.dispatcher = Dispatcher(
             self.registry,
@@ -139,7 +140,8 @@ class RouterApp:
         admin, data = True, False
         routes = [
             ("/health", "GET", self.health, None),
-            ("/metrics", "GET", self.metrics_endpoint, None),
+            # Open by default (scrapers on loopback); --metrics-require-key: the admin key, as fleet-wide state.
+            ("/metrics", "GET", self.metrics_endpoint, admin if config.metrics_require_key else None),
             ("/v1/models", "GET", self.models, data),
             ("/workers", "GET", self.list_workers, admin),
             ("/workers", "POST", self.add_worker, admin),
@@ -469,7 +471,8 @@ class RouterApp:
         return await self.tokenizers.get(resolve_model(self.registry, None))
 
     async def tito_create(self, request: Request) -> AnyResponse:
-        return _json({"session_id": await self.tito.create()})
+        client = TitoBridge.client_of(request.headers.get("authorization")) if self.config.api_key else None
+        return _json({"session_id": await self.tito.create(client)})
 
     async def tito_get(self, request: Request) -> AnyResponse:
         return _json(await self.tito.snapshot(request.path_params["session_id"]))
@@ -719,7 +722,7 @@ class RouterApp:
         tok = await self.tokenizers.get(model) if needs_tokenizer else None
 
         async def one(prompt: list[int] | str, rid: str | None) -> tuple[Ticket, list[dict[str, Any]]]:
-            ids = await text_prompt_ids(prompt, tok) if isinstance(prompt, str) and tok else prompt
+            ids = await text_prompt_ids(prompt, tok, "text") if isinstance(prompt, str) and tok else prompt
             assert isinstance(ids, list)
             rid = rid or new_request_id("gen")
             rollout = Rollout(self.dispatcher, model, meta, GenerationInput(rid, ids, req.sampling, False))

@@ -1,4 +1,5 @@
-"""gRPC side of the router: one channel per worker, and the calls the router makes on it."""
+"""gRPC side of the router: one channel per worker, and the calls the router makes on it (with the replicas'
+shared token on every one when the router has it: psrl.replica_auth)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from dataclasses import dataclass
 import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
+from psrl.replica_auth import REFUSED_ERROR_CODE, token_interceptors
+from psrl.router.errors import WorkerUnavailable
 from psrl.router.registry import Worker
 from psrl.tokenizer import Tokenizer
 
@@ -35,23 +38,36 @@ class WorkerFacts:
     served_model_name: str
 
 
-class WorkerClients:
-    """The channel pool: channels are opened lazily and reused by every request to that worker."""
+def refused(target: str, e: grpc.aio.AioRpcError) -> WorkerUnavailable:
+    """A replica that refused the router's credentials: a misconfiguration, named as one."""
+    return WorkerUnavailable(
+        f"the replica at {target} refused the router's call as unauthenticated ({e.details()}); the router "
+        "needs the replicas' token: PSRL_REPLICA_TOKEN or --replica-token-file",
+        code=REFUSED_ERROR_CODE,
+    )
 
-    def __init__(self) -> None:
+
+class WorkerClients:
+    """The channel pool: channels are opened lazily and reused by every request to that worker. With
+    `replica_token`, every call on them carries it."""
+
+    def __init__(self, replica_token: str | None = None) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, vllm_engine_pb2_grpc.VllmEngineStub] = {}
+        self._interceptors = token_interceptors(replica_token)
+        self._refusals_logged: set[str] = set()
 
     def stub(self, target: str) -> vllm_engine_pb2_grpc.VllmEngineStub:
         stub = self._stubs.get(target)
         if stub is None:
-            channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+            channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS, interceptors=self._interceptors)
             self._channels[target] = channel
             stub = self._stubs[target] = vllm_engine_pb2_grpc.VllmEngineStub(channel)
         return stub
 
     async def drop(self, target: str) -> None:
         self._stubs.pop(target, None)
+        self._refusals_logged.discard(target)
         channel = self._channels.pop(target, None)
         if channel is not None:
             await channel.close(grace=None)
@@ -60,11 +76,18 @@ class WorkerClients:
         await asyncio.gather(*(self.drop(t) for t in list(self._channels)))
 
     async def facts(self, target: str, timeout_s: float) -> WorkerFacts:
+        """What registration asks a gRPC worker. WorkerUnavailable (code worker_unauthenticated) when it refused
+        the router's token; other failures raise as gRPC errors."""
         stub = self.stub(target)
-        server, model = await asyncio.gather(
-            stub.GetServerInfo(vllm_engine_pb2.GetServerInfoRequest(), timeout=timeout_s),
-            stub.GetModelInfo(vllm_engine_pb2.GetModelInfoRequest(), timeout=timeout_s),
-        )
+        try:
+            server, model = await asyncio.gather(
+                stub.GetServerInfo(vllm_engine_pb2.GetServerInfoRequest(), timeout=timeout_s),
+                stub.GetModelInfo(vllm_engine_pb2.GetModelInfoRequest(), timeout=timeout_s),
+            )
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise refused(target, e) from e
+            raise
         return WorkerFacts(
             dp_size=max(1, server.data_parallel_size),
             max_context_length=model.max_context_length,
@@ -76,8 +99,12 @@ class WorkerClients:
         try:
             reply = await self.stub(worker.target).HealthCheck(vllm_engine_pb2.HealthCheckRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED and worker.target not in self._refusals_logged:
+                self._refusals_logged.add(worker.target)  # once: it recurs every health interval
+                logger.warning("worker %s: %s", worker.worker_id, refused(worker.target, e).message)
             logger.debug("health check of worker %s failed: %s", worker.worker_id, e.code())
             return False
+        self._refusals_logged.discard(worker.target)
         return reply.healthy
 
     async def loads(self, worker: Worker, timeout_s: float) -> vllm_engine_pb2.GetLoadsResponse:

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import vllm_engine_pb2
 
 from psrl._proto import kv_migration_pb2, replica_control_pb2
+from psrl.replica_auth import ReplicaTokenInterceptor
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +40,17 @@ REPLICA_SERVER_OPTIONS = (
 )
 
 
-def replica_grpc_server(host: str, port: int) -> tuple[grpc.aio.Server, str]:
-    """A replica's gRPC server bound at host:port (0: any free port) and its `host:port` target."""
-    server = grpc.aio.server(options=list(REPLICA_SERVER_OPTIONS))
+# Open even when the replica has a token: Kubernetes' gRPC probes send no metadata, and health tells only
+# SERVING or not; reflection lists schemas that are public anyway (smg-grpc-proto, proto/). VllmEngine's own
+# HealthCheck, ReplicaControl and KvMigration (TransferKv would tell whether a prompt is cached) need the token.
+UNAUTHENTICATED_SERVICES = (HEALTH_SERVICE, reflection.SERVICE_NAME)
+
+
+def replica_grpc_server(host: str, port: int, *, token: str | None = None) -> tuple[grpc.aio.Server, str]:
+    """A replica's gRPC server bound at host:port (0: any free port) and its `host:port` target. With `token`,
+    every call but health and reflection must carry it (psrl.replica_auth)."""
+    interceptors = [ReplicaTokenInterceptor(token, UNAUTHENTICATED_SERVICES)] if token is not None else None
+    server = grpc.aio.server(options=list(REPLICA_SERVER_OPTIONS), interceptors=interceptors)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")

@@ -36,6 +36,7 @@ from psrl._proto import kv_migration_pb2, kv_migration_pb2_grpc
 from psrl.engine import AsyncEngine, InvalidRequestError, PreloadedKV
 from psrl.kv import KVLayoutSpec, LayoutError, check_compatible, plan_transfer
 from psrl.kv.channels import ShmChannel, ShmMappings, ShmPool, ShmTransfer, shm_receive, shm_send
+from psrl.replica_auth import token_interceptors
 
 logger = logging.getLogger(__name__)
 
@@ -452,11 +453,13 @@ class KvOffer:
 class KvSourceClient:
     """A destination's calls to its sources' KvMigration services, shared by the reference replica's puller
     and the vLLM connector: TransferKv (what the source holds beyond what is here), then ReleaseKv or UnpinKv
-    in the background (a source that never hears them frees the KV at its own TTLs)."""
+    in the background (a source that never hears them frees the KV at its own TTLs). `token`: the replicas'
+    shared token (psrl.replica_auth), sent on every call; a peer that refuses it costs a recompute."""
 
-    def __init__(self, self_target: str) -> None:
+    def __init__(self, self_target: str, *, token: str | None = None) -> None:
         self._is_self = same_server(self_target)  # a source on this replica's own server needs no transfer
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._interceptors = token_interceptors(token)
         self._acks: set[asyncio.Task[None]] = set()
 
     def is_self(self, params: KvTransferParams, rank: int) -> bool:
@@ -466,7 +469,7 @@ class KvSourceClient:
         channel = self._channels.get(target)
         if channel is None:
             channel = self._channels[target] = grpc.aio.insecure_channel(
-                target, options=[("grpc.max_receive_message_length", 64 << 20)]
+                target, options=[("grpc.max_receive_message_length", 64 << 20)], interceptors=self._interceptors
             )
         return kv_migration_pb2_grpc.KvMigrationStub(channel)
 
@@ -550,9 +553,16 @@ class KvPuller:
     """The reference replica's destination side: fetch a request's KV from its source into reserved blocks of
     one engine."""
 
-    def __init__(self, counters: list[MigrationCounters], self_target: str, *, shm_mappings_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        counters: list[MigrationCounters],
+        self_target: str,
+        *,
+        shm_mappings_bytes: int = 0,
+        token: str | None = None,
+    ) -> None:
         self._counters = counters
-        self.client = KvSourceClient(self_target)
+        self.client = KvSourceClient(self_target, token=token)
         # Pooled source segments kept mapped between transfers (0: map each one for its transfer only).
         self.shm_mappings = ShmMappings(shm_mappings_bytes) if shm_mappings_bytes > 0 else None
 

@@ -1,4 +1,10 @@
-"""Self-registration with the router: POST /workers (COMPAT section 1) once our own HealthCheck passes."""
+"""Self-registration with the router: POST /workers (COMPAT section 1) once our own HealthCheck passes.
+
+The router's admin key goes in the `Authorization` header (from --router-api-key-file or $PSRL_ROUTER_API_KEY,
+or --router-api-key); the router then calls this replica back over gRPC, with the replicas' token if it has one.
+A router that is refused for want of that token answers `worker_unauthenticated`: retrying cannot help, so the
+registration fails at once, saying so.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,8 @@ from typing import TYPE_CHECKING
 import grpc
 import httpx
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+from psrl.replica_auth import REFUSED_ERROR_CODE, token_interceptors
 
 if TYPE_CHECKING:
     from psrl.worker.server import WorkerArgs
@@ -47,9 +55,11 @@ def registration_body(
     return body
 
 
-async def wait_until_healthy(target: str, timeout_s: float = 300.0, poll_s: float = 0.2) -> None:
+async def wait_until_healthy(
+    target: str, timeout_s: float = 300.0, poll_s: float = 0.2, *, token: str | None = None
+) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with grpc.aio.insecure_channel(target, interceptors=token_interceptors(token)) as channel:
         stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
         while True:
             try:
@@ -79,6 +89,12 @@ async def register_with_router(
                     return worker_id
                 if 400 <= resp.status_code < 500:  # the router refuses this body: retrying won't help
                     raise RuntimeError(f"router refused registration: {resp.status_code} {resp.text}")
+                if resp.headers.get("x-smg-error-code") == REFUSED_ERROR_CODE:
+                    raise RuntimeError(
+                        f"router could not register this replica: its calls here were refused for want of the "
+                        f"replicas' token (start the router with the same PSRL_REPLICA_TOKEN or "
+                        f"--replica-token-file): {resp.status_code} {resp.text}"
+                    )
                 logger.warning("router answered %s to registration; retrying", resp.status_code)
             except httpx.TransportError as e:
                 logger.info("router %s not reachable yet (%s); retrying", router_url, e)
@@ -87,11 +103,13 @@ async def register_with_router(
             await asyncio.sleep(0.5)
 
 
-def _start_registration(target: str, router_url: str, body: dict, api_key: str | None, on_failure) -> asyncio.Task:
+def _start_registration(
+    target: str, router_url: str, body: dict, api_key: str | None, token: str | None, on_failure
+) -> asyncio.Task:
     """Register in the background once our own HealthCheck passes; `on_failure()` if that never happens."""
 
     async def _register() -> None:
-        await wait_until_healthy(target)
+        await wait_until_healthy(target, token=token)
         await register_with_router(router_url, body, api_key=api_key)
 
     def _done(task: asyncio.Task) -> None:
@@ -105,11 +123,18 @@ def _start_registration(target: str, router_url: str, body: dict, api_key: str |
 
 
 async def serve_until_stopped(
-    target: str, ready_line: str, *, router_url: str | None, body: dict | None, api_key: str | None
+    target: str,
+    ready_line: str,
+    *,
+    router_url: str | None,
+    body: dict | None,
+    api_key: str | None,
+    token: str | None = None,
 ) -> bool:
     """A serving replica's life: print its ready line (one parseable line for launchers that passed --port 0),
     register with `router_url` if given, and wait for SIGINT/SIGTERM or a failed registration (a replica its
-    router cannot see is of no use). Returns whether the registration failed: the process then exits 1."""
+    router cannot see is of no use). Returns whether the registration failed: the process then exits 1.
+    `token`: the replica's own token, for its health check on itself."""
     print(ready_line, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -117,7 +142,7 @@ async def serve_until_stopped(
         loop.add_signal_handler(sig, stop.set)
     registration = None
     if router_url and body is not None:
-        registration = _start_registration(target, router_url, body, api_key, stop.set)
+        registration = _start_registration(target, router_url, body, api_key, token, stop.set)
     await stop.wait()
     logger.info("shutting down")
     if registration is None:
@@ -137,9 +162,11 @@ async def serve_replica(
     kv_block_size: int,
     tp_size: int = 1,
     engine: str | None = None,
+    replica_token: str | None = None,
 ) -> bool:
     """`serve_until_stopped` for a replica started from the command line: its PSRL_WORKER_READY line (with
-    `engine=` when not the reference one) and, with `--router`, its registration."""
+    `engine=` when not the reference one) and, with `--router`, its registration (with the router's admin key,
+    `args.registration_key()`; `replica_token`: the one this replica's server requires)."""
     body = None
     if args.router:
         body = registration_body(
@@ -154,4 +181,6 @@ async def serve_replica(
     ready = f"PSRL_WORKER_READY grpc://{target} dp_size={args.dp_size} model={served_name}"
     if engine is not None:
         ready += f" engine={engine}"
-    return await serve_until_stopped(target, ready, router_url=args.router, body=body, api_key=args.router_api_key)
+    return await serve_until_stopped(
+        target, ready, router_url=args.router, body=body, api_key=args.registration_key(), token=replica_token
+    )

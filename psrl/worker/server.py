@@ -12,6 +12,10 @@ complete frame. Nothing to configure: the service is always registered. So is `p
 (proto/psrl/_proto/kv_migration.proto, psrl/worker/kv_migration.py): a sync abort pins each request's KV for
 `--kv-pin-ttl-s`, a peer pulls it with TransferKv, and a Generate with `kv_transfer_params_json` pulls its KV
 from the source named there before (or, mode async, while) it waits to run.
+
+With a token (`--replica-token-file`, else $PSRL_REPLICA_TOKEN) every call to this server but gRPC health and
+reflection must carry metadata `authorization: Bearer <token>`, and the replica sends it to its KV peers
+(psrl/replica_auth.py); without one the server is open, as on loopback by default.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from psrl._proto import kv_migration_pb2_grpc, replica_control_pb2_grpc
 from psrl.engine import AsyncEngine, CacheConfig, Engine
+from psrl.replica_auth import ROUTER_API_KEY_ENV, TOKEN_ENV, TOKEN_FILE_FLAG, load_replica_token, load_secret
 from psrl.worker.control import ReplicaControlServicer
 from psrl.worker.grpc_services import add_health_and_reflection, replica_grpc_server
 from psrl.worker.kv_migration import EngineKvHolder, KvMigrationServicer, KvPuller
@@ -65,7 +70,9 @@ class WorkerArgs:
     enable_prefix_caching: bool = True
     device: str = "cpu"
     router: str | None = None
-    router_api_key: str | None = None
+    router_api_key: str | None = None  # prefer router_api_key_file or $PSRL_ROUTER_API_KEY (not in the process list)
+    router_api_key_file: str | None = None
+    replica_token_file: str | None = None  # else $PSRL_REPLICA_TOKEN; see psrl/replica_auth.py
     worker_id: str | None = None
     torch_threads: int = 0
     kv_pin_ttl_s: float = 30.0
@@ -103,6 +110,21 @@ class WorkerArgs:
                 "--kv-pin-max-mib bounds a vLLM replica's pins (--engine vllm); the reference engine "
                 "pins its own blocks"
             )
+        if self.router_api_key and self.router_api_key_file:
+            raise ValueError("--router-api-key and --router-api-key-file: give one")
+        self.replica_token()  # an unreadable or empty token file fails here, before anything starts
+        self.registration_key()
+
+    def replica_token(self) -> str | None:
+        """The token every call to this replica (and from it to its KV peers) carries; None: open."""
+        return load_replica_token(self.replica_token_file)
+
+    def registration_key(self) -> str | None:
+        """The router's admin key this replica registers with: --router-api-key, else the content of
+        --router-api-key-file, else $PSRL_ROUTER_API_KEY."""
+        if self.router_api_key:
+            return self.router_api_key
+        return load_secret(self.router_api_key_file, ROUTER_API_KEY_ENV, "--router-api-key-file")
 
 
 def parse_args(argv: list[str] | None = None) -> WorkerArgs:
@@ -141,7 +163,21 @@ def parse_args(argv: list[str] | None = None) -> WorkerArgs:
     )
     p.add_argument("--device", default=d.device)
     p.add_argument("--router", default=d.router, help="router URL to register with (POST /workers)")
-    p.add_argument("--router-api-key", default=d.router_api_key)
+    p.add_argument(
+        "--router-api-key",
+        default=d.router_api_key,
+        help=f"the router's admin key, to register with; other users can read a command line: prefer "
+        f"--router-api-key-file or ${ROUTER_API_KEY_ENV}",
+    )
+    p.add_argument("--router-api-key-file", default=d.router_api_key_file, help="a file holding that key")
+    p.add_argument(
+        TOKEN_FILE_FLAG,
+        dest="replica_token_file",
+        default=d.replica_token_file,
+        help=f"a file holding the shared token every gRPC call to this replica must carry (metadata "
+        f"'authorization: Bearer <token>'; health and reflection stay open), also sent to KV peers; "
+        f"default ${TOKEN_ENV}; neither: no token",
+    )
     p.add_argument("--worker-id", default=d.worker_id, help="id to ask the router for")
     p.add_argument("--torch-threads", type=int, default=d.torch_threads, help="0 = torch's default")
     p.add_argument(
@@ -199,9 +235,10 @@ async def serve(args: WorkerArgs) -> None:
     ]
     for e in engines:
         e.engine.kv_pin_ttl_s = args.kv_pin_ttl_s or None
-    server, target = replica_grpc_server(args.host, args.port)
+    token = args.replica_token()
+    server, target = replica_grpc_server(args.host, args.port, token=token)
     migration = KvMigrationServicer(EngineKvHolder(engines), shm_pool_bytes=args.kv_shm_pool_mib << 20)
-    kv_puller = KvPuller(migration.counters, target, shm_mappings_bytes=args.kv_shm_pool_mib << 20)
+    kv_puller = KvPuller(migration.counters, target, shm_mappings_bytes=args.kv_shm_pool_mib << 20, token=token)
     servicer = ReferenceServicer(engines, folder, served_name, kv_puller)
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
     replica_control_pb2_grpc.add_ReplicaControlServicer_to_server(ReplicaControlServicer(engines), server)
@@ -215,6 +252,7 @@ async def serve(args: WorkerArgs) -> None:
         served_name,
         kv_capacity_tokens=cache_config.num_blocks * cache_config.block_size,
         kv_block_size=cache_config.block_size,
+        replica_token=token,
     )
     health.set_not_serving()
     await server.stop(grace=1.0)

@@ -52,6 +52,7 @@ from psrl._proto import kv_migration_pb2_grpc
 from psrl.engine import common_prefix
 from psrl.kv import KVLayoutSpec, LayoutError, gather_blocks, scatter_blocks
 from psrl.kv.channels import ShmChannel, ShmMappings, ShmTransfer, shm_receive
+from psrl.replica_auth import load_replica_token
 from psrl.worker.kv_migration import (
     UNACKED_TRANSFER_TTL_S,
     HeldKv,
@@ -78,22 +79,34 @@ _RANDOM_SUFFIX = 9  # vLLM makes its internal request id `{id}-{8 random charact
 
 
 def kv_transfer_config(
-    *, self_target: str, side_channel: str, pin_ttl_s: float, shm_pool_bytes: int, pin_max_bytes: int
+    *,
+    self_target: str,
+    side_channel: str,
+    pin_ttl_s: float,
+    shm_pool_bytes: int,
+    pin_max_bytes: int,
+    replica_token_file: str | None = None,
 ) -> dict[str, Any]:
-    """vLLM's `--kv-transfer-config` that loads this connector (a replica's own server at `self_target`)."""
+    """vLLM's `--kv-transfer-config` that loads this connector (a replica's own server at `self_target`).
+
+    The replicas' token is never put in it (vLLM logs its config): the engine core reads it the way the replica
+    did, from `replica_token_file` or else from $PSRL_REPLICA_TOKEN, which it inherits."""
+    extra: dict[str, Any] = {
+        "self_target": self_target,
+        "side_channel": side_channel,
+        "pin_ttl_s": pin_ttl_s,
+        "shm_pool_bytes": shm_pool_bytes,
+        "pin_max_bytes": pin_max_bytes,
+    }
+    if replica_token_file:
+        extra["replica_token_file"] = replica_token_file
     return {
         "kv_connector": CONNECTOR_NAME,
         "kv_connector_module_path": __name__,
         "kv_role": "kv_both",
         # A copy that fails after allocation recomputes the request's blocks (vLLM's default fails the request).
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "self_target": self_target,
-            "side_channel": side_channel,
-            "pin_ttl_s": pin_ttl_s,
-            "shm_pool_bytes": shm_pool_bytes,
-            "pin_max_bytes": pin_max_bytes,
-        },
+        "kv_connector_extra_config": extra,
     }
 
 
@@ -101,7 +114,11 @@ def kv_transfer_config(
 
 
 class KvMigrationProxy(kv_migration_pb2_grpc.KvMigrationServicer):
-    """The replica's KvMigration service: every call forwarded to the engine-core process's side channel."""
+    """The replica's KvMigration service: every call forwarded to the engine-core process's side channel.
+
+    The replica's server checks the token (if any) before a call gets here; the side channel itself takes none:
+    it is a Unix socket in a directory only the replica's user can enter (mkdtemp, mode 0700), and that user
+    can read the token from the replica's environment or file anyway."""
 
     def __init__(self, side_channel: str) -> None:
         self._channel = grpc.aio.insecure_channel(side_channel, options=[("grpc.max_receive_message_length", 64 << 20)])
@@ -241,7 +258,9 @@ class _Shared:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="psrl-kv", daemon=True)
         self._thread.start()
-        self.client = KvSourceClient(self.client_target)  # its channels are made on the loop, when first used
+        # Its channels are made on the loop, when first used; it calls peers' public servers, so with the token.
+        token = load_replica_token(extra.get("replica_token_file"))
+        self.client = KvSourceClient(self.client_target, token=token)
         self._server: grpc.aio.Server | None = None
         self._servicer: KvMigrationServicer | None = None
 

@@ -186,8 +186,10 @@ async def serve_vllm(args: WorkerArgs) -> None:
     from psrl.worker.vllm_control import VllmReplicaControl
 
     start_time = time.time()
-    # Bound first: KV migration's connector needs the address peers will name this replica by.
-    server, target = replica_grpc_server(args.host, args.port)
+    # Bound first: KV migration's connector needs the address peers will name this replica by. The token
+    # guards the stock servicer, ReplicaControl and KvMigration alike (an interceptor on the whole server).
+    token = args.replica_token()
+    server, target = replica_grpc_server(args.host, args.port, token=token)
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser(prog="vllm engine arguments"))
     engine_args = AsyncEngineArgs.from_cli_args(parser.parse_args(vllm_argv(args)))
     off = kv_migration_off_reason(args)
@@ -208,6 +210,7 @@ async def serve_vllm(args: WorkerArgs) -> None:
             pin_ttl_s=args.kv_pin_ttl_s,
             shm_pool_bytes=args.kv_shm_pool_mib << 20,
             pin_max_bytes=args.kv_pin_max_mib << 20,
+            replica_token_file=args.replica_token_file,
         )
         engine_args.kv_transfer_config = KVTransferConfig(**config)
         proxy = KvMigrationProxy(side_channel)
@@ -243,6 +246,7 @@ async def serve_vllm(args: WorkerArgs) -> None:
         kv_block_size=cache.block_size,
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
         engine="vllm",
+        replica_token=token,
     )
     health.set_not_serving()
     await server.stop(grace=1.0)

@@ -15,7 +15,7 @@ import grpc
 import httpx
 import pytest
 from _procs import Proc, start_replica, start_router
-from _vllm import start_vllm_replica
+from _vllm import greedy_request, start_vllm_replica
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
@@ -42,24 +42,13 @@ def _target(proc: Proc) -> str:
     return proc.url.removeprefix("grpc://")
 
 
-def _request(rid: str, prompt: list[int], n: int, params: dict[str, Any] | None) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(
-        request_id=rid,
-        tokenized=pb.TokenizedInput(input_ids=prompt),
-        stream=True,
-        sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
-    )
-    if params is not None:
-        request.kv_transfer_params_json = json.dumps(params)
-    return request
-
-
 async def _generate(
     target: str, rid: str, prompt: list[int], n: int, params: dict[str, Any] | None = None
 ) -> tuple[list[int], pb.GenerateComplete]:
     ids: list[int] = []
     async with grpc.aio.insecure_channel(target) as channel:
-        async for frame in pb_grpc.VllmEngineStub(channel).Generate(_request(rid, prompt, n, params), timeout=300):
+        request = greedy_request(rid, prompt, n, params)
+        async for frame in pb_grpc.VllmEngineStub(channel).Generate(request, timeout=300):
             if frame.WhichOneof("response") == "chunk":
                 ids += frame.chunk.token_ids
             else:
@@ -74,7 +63,8 @@ async def _interrupted(target: str, rid: str, prompt: list[int], weights: str | 
 
     async def run() -> str:
         async with grpc.aio.insecure_channel(target) as channel:
-            async for frame in pb_grpc.VllmEngineStub(channel).Generate(_request(rid, prompt, N, None), timeout=300):
+            request = greedy_request(rid, prompt, N)
+            async for frame in pb_grpc.VllmEngineStub(channel).Generate(request, timeout=300):
                 if frame.WhichOneof("response") == "chunk":
                     ids.extend(frame.chunk.token_ids)
                 else:
