@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -121,6 +122,28 @@ def _reopen(state: SessionState, was_hung: bool) -> None:
     state.closing = False
     if was_hung:
         state.hang()
+
+
+async def _until_client_leaves(request: Request, work: Awaitable[httpx.Response]) -> httpx.Response:
+    """`work` (a turn's upstream call), cancelled if the client disconnects first: the router then sees its
+    caller go and aborts the generation. ClientDisconnect in that case. The request's body is read already."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    call = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait((call, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not call.done():
+            call.cancel()
+        await asyncio.gather(call, watcher, return_exceptions=True)
+    if call.cancelled():
+        raise ClientDisconnect()
+    return call.result()
 
 
 def _json_of(upstream: httpx.Response) -> Any:
@@ -293,7 +316,9 @@ class SessionRouter:
             headers.update(extra_headers or {})
             state.begin_turn()
             try:
-                upstream = await self.upstream("POST", path, content=content, headers=headers, params=params)
+                upstream = await _until_client_leaves(
+                    request, self.upstream("POST", path, content=content, headers=headers, params=params)
+                )
                 if upstream.is_success:
                     result = _json_of(upstream)
                     usage = result.get("usage") if isinstance(result, dict) else None

@@ -5,11 +5,14 @@ generation, and the instance's in-flight count drops to 0."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import httpx
 import pytest
 from _http_raw import connect
-from _procs import Proc, replica_busy, wait_for
+from _procs import Proc, replica_busy, start_session_router, wait_for
+
+from psrl.gateway.processes import stop_processes
 
 LONG = 3000  # tokens: seconds of decoding on the reference replica, far longer than the client stays
 
@@ -67,3 +70,36 @@ def test_departed_client_aborts_its_generation(router: Proc, replica: Proc, rout
     assert _completed(router, route) == done_before + answered
     log = router.log_text()
     assert "unexpected error" not in log and "Exception in ASGI application" not in log
+
+
+@pytest.fixture(scope="module")
+def session_router(router: Proc, log_dir) -> Iterator[Proc]:
+    proc = start_session_router(log_dir, router.url)
+    yield proc
+    stop_processes([proc.proc])
+
+
+def test_an_agent_that_leaves_mid_turn_aborts_the_turn_through_the_session_router(
+    session_router: Proc, router: Proc, replica: Proc
+) -> None:
+    wait_for(lambda: replica_busy(replica.url) == 0 and _inflight(router) == 0)
+    sid = httpx.post(f"{session_router.url}/sessions", timeout=30).json()["session_id"]
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": LONG, "ignore_eos": True}
+    data = json.dumps(body).encode()
+    path = f"/sessions/{sid}/v1/chat/completions"
+    head = f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    sock = connect(session_router.url)
+    try:
+        sock.sendall(head.encode() + data)
+        wait_for(lambda: replica_busy(replica.url) > 0)
+    finally:
+        sock.close()
+    wait_for(lambda: replica_busy(replica.url) == 0, timeout_s=60)
+    wait_for(lambda: _inflight(router) == 0, timeout_s=30)
+    # The session serves its next turn, and the abandoned one left no record behind.
+    short = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = httpx.post(f"{session_router.url}{path}", json=short, timeout=60)
+    assert r.status_code == 200, r.text
+    snapshot = httpx.get(f"{session_router.url}/sessions/{sid}", timeout=30).json()
+    turns = [t for traj in snapshot["trajectories"] for t in traj["records"]]
+    assert len(turns) == 1, snapshot
