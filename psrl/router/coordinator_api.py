@@ -87,7 +87,7 @@ def update_stats(registry: WorkerRegistry, body: Any) -> dict[str, Any]:
             stats = SchedulerStats(
                 num_running_reqs=int(raw.get("num_running_reqs", 0)),
                 num_waiting_reqs=int(raw.get("num_waiting_reqs", 0)),
-                kv_cache_usage=float(raw.get("kv_cache_usage", 0.0)),
+                kv_cache_usage=_usage(raw.get("kv_cache_usage", 0.0)),
                 req_id_to_prompt_token_num=_int_map(
                     raw.get("req_id_to_prompt_token_num"), "req_id_to_prompt_token_num"
                 ),
@@ -96,7 +96,7 @@ def update_stats(registry: WorkerRegistry, body: Any) -> dict[str, Any]:
                 ),
                 timestamp=ts,
             )
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, OverflowError) as e:  # OverflowError: an infinite count
             result.update(status="rejected", reason=str(e))
             counts["rejected"] += 1
             results.append(result)
@@ -111,6 +111,13 @@ def update_stats(registry: WorkerRegistry, body: Any) -> dict[str, Any]:
             counts["updated"] += 1
         results.append(result)
     return {"total": len(results), **counts, "results": results}
+
+
+def _usage(raw: Any) -> float:
+    usage = float(raw)
+    if not math.isfinite(usage):
+        raise ValueError(f"kv_cache_usage must be a finite number, got {raw!r}")
+    return usage
 
 
 # ---- POST /workers/update_weight_version ---------------------------------------------------------------
@@ -158,7 +165,7 @@ def update_weight_version(registry: WorkerRegistry, body: Any) -> dict[str, Any]
 
 def set_paused(registry: WorkerRegistry, body: Any, paused: bool) -> dict[str, Any]:
     results: list[dict[str, Any]] = []
-    seen: set[tuple[str, int | None]] = set()
+    seen: set[tuple[str, int | str | None]] = set()
     for entry in _entries(body, "workers"):
         try:
             worker, key = _worker(registry, entry, "base_worker_id", "worker_id")
@@ -167,11 +174,12 @@ def set_paused(registry: WorkerRegistry, body: Any, paused: bool) -> dict[str, A
             results.append({"status": "rejected", "paused": None, "reason": str(e), "worker_id": ident})
             continue
         raw = entry.get("dp_rank")
-        ranks: list[int | None] = list(raw) if isinstance(raw, list) else [raw]
+        ranks: list[Any] = list(raw) if isinstance(raw, list) else [raw]
         for rank in ranks:
-            if (worker.worker_id, rank) in seen:
+            key_of = (worker.worker_id, rank if rank is None or isinstance(rank, int) else repr(rank))
+            if key_of in seen:
                 continue
-            seen.add((worker.worker_id, rank))
+            seen.add(key_of)
             result: dict[str, Any] = {key: worker.worker_id}
             if rank is not None:
                 result["dp_rank"] = rank

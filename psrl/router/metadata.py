@@ -12,6 +12,7 @@ _TRUE = frozenset({"1", "true", "t", "yes", "y"})
 _FALSE = frozenset({"0", "false", "f", "no", "n", ""})
 
 ROUTING_KEY_HEADER = "x-smg-routing-key"
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -43,9 +44,12 @@ def _int(headers: Mapping[str, str], name: str) -> int | None:
     if raw is None or raw.strip() == "":
         return None
     try:
-        return int(raw.strip())
+        value = int(raw.strip())
     except ValueError:
-        raise BadRequest(f"header {name} must be an integer, got {raw!r}", param=name) from None
+        raise BadRequest(f"header {name} must be an integer, got {raw[:64]!r}", param=name) from None
+    if not INT64_MIN <= value <= INT64_MAX:  # PSRL's ids and versions are i64 (the PSManager's too)
+        raise BadRequest(f"header {name} must fit in an int64, got {raw[:64]!r}", param=name)
+    return value
 
 
 def _bool(headers: Mapping[str, str], name: str) -> bool:

@@ -70,6 +70,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_started = False  # a request head is being received
         self._body_bytes = 0  # of the request being received
         self._rejected = False  # answered with an error: the connection only drains and closes
+        self._deferred_error: tuple[int, str, str] | None = None  # to answer once the earlier request is answered
 
     # ---- connection ------------------------------------------------------------------------------------
 
@@ -200,19 +201,33 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _reject(self, status: int, code: str, message: str) -> None:
         """Answer the request being received with an error and end the connection. If the app already runs
-        that request it sees the client leave (its receive() answers http.disconnect, its send() is a no-op)."""
+        that request it sees the client leave (its receive() answers http.disconnect, its send() is a no-op).
+        An earlier request still being answered on this connection (pipelining) gets its answer first."""
         self._rejected = True
         self._cancel_timers()
         cycle = self.cycle
-        own = cycle is not None and cycle.scope is self.scope  # the app runs the request being received
         if cycle is not None and not cycle.response_complete:
-            cycle.disconnected = True
+            if self._head_started or not cycle.more_body:
+                # `cycle` is an earlier request, received whole: the error follows its answer.
+                self._deferred_error = (status, code, message)
+                return
+            cycle.disconnected = True  # the app runs the request being received: it sees the client leave
             cycle.message_event.set()
-        if cycle is not None and (cycle.response_started if own else not cycle.response_complete):
-            # This request already has (part of) an answer, or an earlier one is still being answered on this
-            # connection: a second answer would corrupt the stream, so only close.
-            self.transport.close()
+            if cycle.response_started:  # a second answer would corrupt the one begun: only close
+                self.transport.close()
+                return
+        self._answer_error(status, code, message)
+
+    def on_response_complete(self) -> None:
+        if self._deferred_error is None:
+            super().on_response_complete()
             return
+        self.server_state.total_requests += 1
+        if not self.transport.is_closing():
+            self._answer_error(*self._deferred_error)
+        self._deferred_error = None
+
+    def _answer_error(self, status: int, code: str, message: str) -> None:
         logger.info("%s: %s %s: %s", self.client, status, code, message)
         self._write_error(status, code, message)
         self._linger()

@@ -58,6 +58,55 @@ def test_malformed_requests_are_400(router, path, kwargs, status, words) -> None
     _error(_post(router, path, **kwargs), status, *words)
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "words"),
+    [
+        ("/generate", {"input_ids": [1, True]}, ["input_ids", "boolean"]),
+        ("/generate", {"input_ids": [[1, 2], [False]]}, ["input_ids", "boolean"]),
+        ("/v1/completions", {"prompt": [1, True], "max_tokens": 2}, ["prompt", "boolean"]),
+        ("/v1/chat/completions", {"messages": MSG, "stop_token_ids": [True]}, ["stop_token_ids", "boolean"]),
+        ("/generate", {"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [True]}}, ["stop_token_ids"]),
+    ],
+)
+def test_booleans_are_not_token_ids(router, path, body, words) -> None:
+    _error(_post(router, path, json=body), 400, *words)
+
+
+@pytest.mark.parametrize("header", ["x-version-tag", "x-request-id", "x-prompt-id", "x-target-dp-rank"])
+def test_psrl_header_values_past_int64_are_400(router, header) -> None:
+    headers = {"x-request-id": "1", "x-prompt-id": "1", header: "9" * 20}
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+    r = _post(router, "/generate", json=body, headers=headers)
+    assert _error(r, 400, header, "int64")["param"] == header
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/workers", {"url": "grpc://127.0.0.1:99999"}),
+        ("/workers", {"url": "grpc://[::1:1"}),
+        ("/workers", {"url": "grpc://127.0.0.1:port"}),
+    ],
+)
+def test_worker_urls_that_do_not_parse_are_400(router, path, body) -> None:
+    _error(_post(router, path, json=body), 400, "'url' must look like grpc://host:port")
+
+
+def test_coordinator_bodies_with_odd_values_are_rejected_per_entry(router) -> None:
+    for path in ("/workers/pause", "/workers/resume"):
+        odd = [{"base_worker_id": "0", "dp_rank": [[0]]}, {"base_worker_id": "0", "dp_rank": {}}]
+        r = _post(router, path, json=odd)
+        assert r.status_code == 200, r.text
+        assert [e["status"] for e in r.json()["results"]] == ["rejected", "rejected"]
+    entry = {"worker_id": "0", "dp_rank": 0, "timestamp": "2030-01-01T00:00:00Z"}
+    body = [
+        {**entry, "scheduler_stats": {"num_running_reqs": 1e999}},
+        {**entry, "scheduler_stats": {"kv_cache_usage": 1e999}},
+    ]
+    r = _post(router, "/workers/update_stats", content=json.dumps(body).encode())  # 1e999 goes out as Infinity
+    assert r.status_code == 200 and r.json()["rejected"] == 2, r.text
+
+
 def test_unknown_model_is_404(router) -> None:
     body = _error(_post(router, "/v1/chat/completions", json={"model": "gpt-17", "messages": MSG}), 404, "gpt-17")
     assert body["code"] == "model_not_found"

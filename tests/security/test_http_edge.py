@@ -106,11 +106,64 @@ def test_framing_errors_get_a_json_400(router: Proc, session: Proc, server: str,
     assert httpx.get(f"{router.url}/health", timeout=10).status_code == 200
 
 
+def test_a_pipelined_request_is_answered_before_the_framing_error_after_it(router: Proc) -> None:
+    body = b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}'
+    head = b"POST /generate HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    raw = exchange(router.url, head % len(body) + body + b"GARBAGE / HTTP/1.1\r\n\r\n")
+    first, _, rest = raw.partition(b"\r\n\r\n")
+    assert first.startswith(b"HTTP/1.1 200"), raw[:300]
+    assert b"output_ids" in rest and b"HTTP/1.1 400" in rest and b"invalid_http_request" in rest, raw[-400:]
+
+
 @pytest.mark.parametrize("stream", [[1], "yes", 1, {}])
 def test_session_turn_stream_must_be_a_boolean(router: Proc, targets: dict[str, str], stream: object) -> None:
     body = {"messages": MSG, "max_tokens": 2, "stream": stream}
     _assert_400(httpx.post(targets["session-turn"], json=body, timeout=30), "'stream' must be a boolean")
     _assert_400(httpx.post(targets["router-chat"], json=body, timeout=30), "'stream' must be a boolean")
+
+
+def _session_error(r: httpx.Response, status: int) -> str:
+    assert r.status_code == status, (r.status_code, r.text)
+    assert isinstance(r.json()["error"], str) and r.headers["x-smg-error-code"], r.text
+    return r.headers["x-smg-error-code"]
+
+
+def test_session_router_passes_latin1_header_bytes_on(session: Proc, sid: str) -> None:
+    body = {"messages": MSG, "max_tokens": 2}
+    url = f"{session.url}/sessions/{sid}/v1/chat/completions"
+    r = httpx.post(url, json=body, headers={"x-request-id": b"\xbd", "x-prompt-id": b"1"}, timeout=30)
+    assert r.status_code == 400 and "x-request-id" in r.text  # the router's verdict on the header, passed back
+    r = httpx.post(url, json=body, headers={"x-note": b"caf\xe9"}, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path", ["/sessions/%0B", "/sessions/a%7Fb", "/sessions/{sid}/%7F"])
+def test_session_router_control_characters_in_paths_are_not_500(session: Proc, sid: str, path: str) -> None:
+    for method in ("GET", "DELETE"):
+        r = httpx.request(method, session.url + path.format(sid=sid), timeout=30)
+        assert r.status_code == 404, (method, path, r.status_code, r.text)
+
+
+def test_session_router_control_refuses_ids_that_are_not_unicode(session: Proc) -> None:
+    for path, raw in (("/control/continue", b'["\\ud800"]'), ("/control/hang", b'[{"session_id": "\\udfff"}]')):
+        r = httpx.post(session.url + path, content=raw, headers={"content-type": "application/json"}, timeout=30)
+        assert _session_error(r, 400) == "invalid_body" and "not valid Unicode" in r.json()["error"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "code"),
+    [
+        ("POST", "/sessions//v1/chat/completions", 404, "not_found"),
+        ("GET", "/control/hang", 405, "method_not_allowed"),
+        ("GET", "/sessions/", 404, "not_found"),  # no redirect to /sessions
+        ("DELETE", "/sessions/", 404, "not_found"),
+    ],
+)
+def test_session_router_unrouted_requests_are_json_errors(
+    session: Proc, method: str, path: str, status: int, code: str
+) -> None:
+    r = httpx.request(method, session.url + path, timeout=30, follow_redirects=False)
+    assert _session_error(r, status) == code
 
 
 def test_no_crash_was_logged(router: Proc, session: Proc) -> None:
