@@ -3,7 +3,7 @@ from the registry only when /metrics is scraped (no per-request cost)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -76,6 +76,25 @@ class FunctionCounter(Collector):
         yield CounterMetricFamily(self._name, self._documentation, value=self._read())
 
 
+class LabeledFunctionCounter(Collector):
+    """Counters by one label that another object keeps (a dict of plain ints), read when /metrics is scraped."""
+
+    def __init__(self, name: str, documentation: str, label: str) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._label = label
+        self._read: Callable[[], Mapping[str, float]] = dict
+
+    def set_function(self, read: Callable[[], Mapping[str, float]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self._name, self._documentation, labels=[self._label])
+        for value, count in sorted(self._read().items()):
+            family.add_metric([value], count)
+        yield family
+
+
 class RouterMetrics:
     def __init__(self, workers: WorkerRegistry) -> None:
         self.registry = CollectorRegistry()
@@ -119,6 +138,13 @@ class RouterMetrics:
             "psrl_router_tito_sessions_expired", "TITO sessions dropped after --tito-session-ttl-s idle"
         )
         self.registry.register(self.tito_sessions_expired)
+        self.tito_turns_not_exported = LabeledFunctionCounter(
+            "psrl_router_tito_turns_not_exported",
+            "sampled TITO turns in no exported trajectory, by reason (dropped_branch: --tito-drop-dead-leaves; "
+            "session_expired: the session expired before a snapshot included them)",
+            "reason",
+        )
+        self.registry.register(self.tito_turns_not_exported)
         self.queue_length = Gauge("psrl_router_queue_length", "requests waiting to be routed", registry=self.registry)
         self.registry.register(_InstanceCollector(workers))
 

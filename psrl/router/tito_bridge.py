@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import functools
 import hashlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,21 +28,31 @@ from psrl.tokenizer import Tokenizer
 
 SESSION_HEADER = "x-smg-tito-session-id"
 TRAJECTORY_HEADER = "x-smg-tito-trajectory-id"
+# Threads for turns being prepared (a template render and a tokenization each), and apart from them, threads for
+# the short store calls (records, abandons, snapshots), so that those never queue behind long renders.
+RENDER_THREADS = 8
+STORE_THREADS = 8
 
 
 @dataclass
 class TitoConfig:
     enable_tito: bool = True
     tito_debug: bool = False
+    # GC frees the nodes of dropped branches once a session holds more than this many (0: after every turn).
+    # It never frees a sampled turn that an exported branch holds.
     tito_gc_threshold: int = 0
     tito_max_sessions: int = 10000
     tito_max_turns: int = 1000
-    tito_drop_dead_leaves: bool = True
+    # Drop the branches a history rewrite (or an agent that drops its reply) leaves behind: their sampled turns
+    # leave the snapshot, counted in psrl_router_tito_turns_not_exported_total. Off: every branch is exported.
+    tito_drop_dead_leaves: bool = False
     max_trim_tokens: int = 0
     # A session no request has named for this long (and with no turn in flight) expires; 0: never.
     tito_session_ttl_s: float = 3600.0
     # With an api_key, each bearer credential may hold this many live sessions; 0: no per-client cap.
     tito_max_sessions_per_client: int = 0
+    # Record each turn's MoE routed experts (from replicas that record them) for routing replay in training.
+    tito_routed_experts: bool = False
 
     def validate(self) -> None:
         limits = (self.tito_gc_threshold, self.tito_max_sessions, self.tito_max_turns, self.max_trim_tokens)
@@ -57,40 +70,44 @@ def as_router_error(e: TitoError) -> RouterError:
 
 
 class TitoBridge:
-    """Owns the TITO store (built with the default model's tokenizer at first use) and the last instance that
-    served each session (returned as `header_info`)."""
+    """Owns the TITO store and the last instance that served each session (returned as `header_info`).
 
-    def __init__(self, config: TitoConfig, default_tokenizer: Callable[[], Awaitable[Tokenizer]]) -> None:
+    Each turn is templated and tokenized with the tokenizer of the model it is sent to. The store calls that
+    take a session's lock (prepare, record, abandon, snapshot) run in worker threads, never on the event loop:
+    one session's long render makes only that session wait, and renders have threads of their own, so other
+    sessions' records and snapshots never wait for a render. A call that has started runs to its end even if
+    the request is cancelled meanwhile, so a turn is always either recorded or abandoned, never left pending.
+    """
+
+    def __init__(self, config: TitoConfig) -> None:
         config.validate()
         self.config = config
-        self._default_tokenizer = default_tokenizer
-        self._store: TitoStore | None = None
-        self._lock = asyncio.Lock()
+        c = config
+        self.store = TitoStore(
+            max_sessions=c.tito_max_sessions,
+            max_turns_per_session=c.tito_max_turns,
+            gc_threshold=c.tito_gc_threshold,
+            max_trim_tokens=c.max_trim_tokens,
+            debug=c.tito_debug,
+            drop_dead_leaves=c.tito_drop_dead_leaves,
+            session_ttl_s=c.tito_session_ttl_s,
+            max_sessions_per_client=c.tito_max_sessions_per_client,
+        )
         self._instances: dict[str, tuple[str, int]] = {}
-
-    async def store(self) -> TitoStore:
-        if self._store is None:
-            async with self._lock:
-                if self._store is None:
-                    c = self.config
-                    self._store = TitoStore(
-                        await self._default_tokenizer(),
-                        max_sessions=c.tito_max_sessions,
-                        max_turns_per_session=c.tito_max_turns,
-                        gc_threshold=c.tito_gc_threshold,
-                        max_trim_tokens=c.max_trim_tokens,
-                        debug=c.tito_debug,
-                        drop_dead_leaves=c.tito_drop_dead_leaves,
-                        session_ttl_s=c.tito_session_ttl_s,
-                        max_sessions_per_client=c.tito_max_sessions_per_client,
-                    )
-        return self._store
+        self._cleanups: set[asyncio.Future[Any]] = set()  # abandons of turns whose request went away
+        self._renders = ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="tito-render")
+        self._calls = ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="tito-store")
+        self.orphaned_calls = 0  # store calls whose request was cancelled while they ran (they ran to their end)
 
     def num_sessions(self) -> int:
-        return 0 if self._store is None else len(self._store)
+        return len(self.store)
 
     def sessions_expired(self) -> int:
-        return 0 if self._store is None else self._store.sessions_expired
+        return self.store.sessions_expired
+
+    def turns_not_exported(self) -> dict[str, int]:
+        """Sampled turns in no exported trajectory, by reason (the store's counters)."""
+        return dict(self.store.turns_not_exported)
 
     @staticmethod
     def client_of(authorization: str | None) -> str | None:
@@ -103,9 +120,9 @@ class TitoBridge:
     # ---- endpoints ----------------------------------------------------------------------------------
 
     async def create(self, client: str | None = None) -> str:
-        store = await self.store()
+        store = self.store
         try:
-            sid = store.create_session(client)
+            sid = store.create_session(client)  # the store's lock only: O(1) work
         except TitoError as e:
             raise as_router_error(e) from e
         if len(self._instances) > 2 * len(store) + 64:  # sessions expired: forget their instances (amortized)
@@ -114,7 +131,7 @@ class TitoBridge:
 
     async def snapshot(self, sid: str) -> dict[str, Any]:
         try:
-            snap = (await self.store()).snapshot(sid)
+            snap: dict[str, Any] = await self._off_loop(self._calls, self.store.snapshot, sid)
         except TitoError as e:
             raise as_router_error(e) from e
         if sid in self._instances:
@@ -124,7 +141,7 @@ class TitoBridge:
 
     async def delete(self, sid: str) -> None:
         try:
-            (await self.store()).delete_session(sid)
+            self.store.delete_session(sid)  # the store's lock only
         except TitoError as e:
             raise as_router_error(e) from e
         self._instances.pop(sid, None)
@@ -147,19 +164,26 @@ class TitoBridge:
             raise BadRequest(f"header {TRAJECTORY_HEADER} must be >= 0", param=TRAJECTORY_HEADER)
         return sid, trajectory
 
-    async def prepare(self, sid: str, trajectory: int, chat: ChatRequest) -> PreparedTurn:
-        store = await self.store()
+    async def prepare(
+        self, sid: str, trajectory: int, chat: ChatRequest, *, model: str, tokenizer: Tokenizer
+    ) -> PreparedTurn:
+        """The turn's prompt, templated and tokenized with `model`'s own `tokenizer`."""
         try:
-            return await asyncio.to_thread(
-                store.prepare_turn,
+            prepared: PreparedTurn = await self._off_loop(
+                self._renders,
+                self.store.prepare_turn,
                 sid,
                 trajectory,
                 chat.messages,
                 tools=chat.tools,
                 template_kwargs=chat.template_kwargs or None,
+                tokenizer=tokenizer,
+                model=model,
+                orphaned=self._abandon_later,
             )
         except TitoError as e:
             raise as_router_error(e) from e
+        return prepared
 
     async def record(
         self,
@@ -172,12 +196,12 @@ class TitoBridge:
         token_versions: list[int],
         instance: tuple[str, int],
         assistant_message: dict[str, Any],
+        routed_experts: dict[str, Any] | None = None,
     ) -> None:
-        store = await self.store()
         try:
-            store.record_turn(
-                prepared.session_id,
-                prepared.trajectory_id,
+            await self._off_loop(
+                self._calls,
+                self._record_or_abandon,
                 prepared,
                 output_ids=output_ids,
                 output_logprobs=output_logprobs,
@@ -185,18 +209,57 @@ class TitoBridge:
                 weight_version=weight_version,
                 token_versions=token_versions,
                 assistant_message=assistant_message,
+                routed_experts=routed_experts,
             )
-        except InvalidTurn as e:  # refused as it is (it was the pending turn): it must not stay pending
-            with contextlib.suppress(TitoError):
-                store.abandon_turn(prepared.session_id, prepared.trajectory_id)
-            raise as_router_error(e) from e
         except TitoError as e:
             raise as_router_error(e) from e
         self._instances[prepared.session_id] = instance
 
     async def abandon(self, prepared: PreparedTurn) -> None:
-        store = await self.store()
+        await self._off_loop(self._calls, self._abandon_quietly, prepared)
+
+    # ---- off the loop -------------------------------------------------------------------------------
+
+    def _record_or_abandon(self, prepared: PreparedTurn, **record: Any) -> None:
         try:
-            store.abandon_turn(prepared.session_id, prepared.trajectory_id)
-        except TitoError:
-            pass  # the session went away meanwhile: nothing left to undo
+            self.store.record_turn(prepared.session_id, prepared.trajectory_id, prepared, **record)
+        except InvalidTurn:  # refused as it is (it was the pending turn): it must not stay pending
+            self._abandon_quietly(prepared)
+            raise
+
+    def _abandon_quietly(self, prepared: PreparedTurn) -> None:
+        with contextlib.suppress(TitoError):  # the session went away meanwhile: nothing left to undo
+            self.store.abandon_turn(prepared.session_id, prepared.trajectory_id, prepared)
+
+    def _abandon_later(self, prepared: PreparedTurn) -> None:
+        """A turn prepared for a request that was cancelled meanwhile: abandon it (off the loop)."""
+        cleanup = asyncio.get_running_loop().run_in_executor(self._calls, self._abandon_quietly, prepared)
+        self._cleanups.add(cleanup)
+        cleanup.add_done_callback(self._cleanups.discard)
+
+    async def _off_loop(
+        self,
+        threads: Executor,
+        fn: Callable[..., Any],
+        /,
+        *args: Any,
+        orphaned: Callable[[Any], None] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """fn(*args, **kwargs) in one of `threads`. If the caller is cancelled meanwhile, the call still runs to
+        its end, and `orphaned` then gets its result (on the loop)."""
+        call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)  # the request id, for logs
+        work = asyncio.get_running_loop().run_in_executor(threads, call)
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            self.orphaned_calls += 1
+            work.add_done_callback(functools.partial(_orphan_done, orphaned))
+            raise
+
+
+def _orphan_done(orphaned: Callable[[Any], None] | None, work: asyncio.Future[Any]) -> None:
+    if work.cancelled() or work.exception() is not None:  # retrieved: nobody is left to raise it to
+        return
+    if orphaned is not None:
+        orphaned(work.result())

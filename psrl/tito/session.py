@@ -142,11 +142,14 @@ class _Node:
     hashes: list[str]  # _Draft.hashes
     rendered_tail: str  # _Draft.rendered_tail
     assistant: Any = None  # the normalized assistant message, when the router gave it
+    routed_experts: dict[str, Any] | None = None  # the record's MoE routing blob, when recorded
     assistant_plain: bool = False
     assistant_hash: str | None = None  # chain hash through the assistant message, when the router gave it
     # What a later turn's echo of the reply must match for this node to be its parent (see _reply_signature);
     # None: the router gave no assistant message, so any echo is taken as this reply.
     reply_signature: tuple[str, tuple[tuple[str, str], ...]] | None = None
+    snapshotted: bool = False  # a snapshot has exported it
+    unexported: bool = False  # dropped (drop_dead_leaves): in no branch any more, never a parent again
 
 
 @dataclass(eq=False)
@@ -159,6 +162,9 @@ class _Trajectory:
 
 @dataclass(eq=False)
 class _Session:
+    """One session's tree. `lock` guards everything below it; the store's own lock guards `last_used` and
+    `turns_in_flight` (what expiry reads)."""
+
     id: str
     nodes: dict[int, _Node] = field(default_factory=dict)
     by_prompt_hash: dict[str, list[int]] = field(default_factory=dict)
@@ -167,7 +173,11 @@ class _Session:
     turns_recorded: int = 0
     client: str | None = None  # who created it, for the per-client cap
     last_used: float = 0.0  # the store's clock at the last call that named the session (or a turn's end)
-    turns_in_flight: int = 0  # prepared and neither recorded nor abandoned: the session cannot expire
+    turns_in_flight: int = 0  # being prepared, or prepared and neither recorded nor abandoned: cannot expire
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    unsnapshotted: int = 0  # exported turns no snapshot has included yet (what expiry loses)
+    unreachable: int = 0  # nodes no leaf reaches any more (dropped branches): what GC frees
+    turns_not_exported: int = 0  # sampled turns dropped from every exported branch (drop_dead_leaves)
 
     def path(self, node_id: int | None) -> list[_Node]:
         """Nodes root -> node_id."""
@@ -180,17 +190,62 @@ class _Session:
         return out
 
 
+@dataclass(frozen=True, eq=False)
+class _Codec:
+    """A model's tokenizer with what the store derives from it once: its end-of-turn token texts."""
+
+    tokenizer: Tokenizer
+    eot_text_of: dict[int, str]
+    eot_texts: list[str]  # longest first
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer) -> _Codec:
+        text_of = {i: tokenizer.decode([i], skip_special_tokens=False) for i in tokenizer.eos_token_ids}
+        return cls(tokenizer, text_of, sorted({t for t in text_of.values() if t}, key=len, reverse=True))
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any],
+    ) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
+            )
+        except ChatTemplateError as exc:
+            raise TemplateRenderError(str(exc)) from exc
+
+
 # --- the store ---------------------------------------------------------------------------------------------
 
 
-# At most this many idle sessions expire per call, so that one call (on the router's event loop) never holds
-# the lock long freeing big sessions; each creation expires up to this many, far more than the one it adds,
-# so expired sessions never pile up.
+# At most this many idle sessions expire per call, so that one call never holds the store's lock long; each
+# creation expires up to this many, far more than the one it adds, so expired sessions never pile up.
 EXPIRE_BATCH = 16
+
+# Why sampled turns ended up in no exported trajectory (the keys of TitoStore.turns_not_exported).
+DROPPED_BRANCH = "dropped_branch"  # drop_dead_leaves: the user asked to drop rewritten-away branches
+SESSION_EXPIRED = "session_expired"  # the session expired (session_ttl_s) before a snapshot included them
 
 
 class TitoStore:
-    """Sessions of token-exact turns. One lock guards the store; every method is synchronous and bounded.
+    """Sessions of token-exact turns; every method is synchronous and bounded.
+
+    Locking: each session has its own lock, held for that session's work (a turn's template render and
+    tokenization included), so sessions never wait on each other; the store's lock guards only the session
+    table, the idle order and the counters, and is held for O(1) dict operations (plus a bounded expiry batch).
+    A caller on an event loop runs the calls that take a session's lock (prepare_turn, record_turn,
+    abandon_turn, snapshot, num_nodes) off the loop: they can wait for that session's render.
+
+    Every turn the model sampled is exported: snapshot() lists each branch of a session's tree that holds
+    sampled turns as its own trajectory entry, and says which one is each trajectory's final history. Only
+    `drop_dead_leaves` (asked for explicitly) or an expired session (`session_ttl_s`) lose sampled turns, and
+    `turns_not_exported` counts those, by reason, with a log line each time.
+
+    Turns are templated and tokenized with the tokenizer given to prepare_turn (each model's own; the store's
+    `tokenizer` when none is given); turns of different `model`s never share token ids.
 
     With `session_ttl_s`, a session no call has named for that long expires (a session with a turn in flight
     never does): expired sessions are swept when sessions are created, a bounded batch each time, and one that
@@ -200,7 +255,7 @@ class TitoStore:
 
     def __init__(
         self,
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | None = None,
         *,
         max_sessions: int = 10000,
         max_turns_per_session: int = 1000,
@@ -228,6 +283,8 @@ class TitoStore:
         self.session_ttl_s = float(session_ttl_s)
         self.max_sessions_per_client = max_sessions_per_client
         self.sessions_expired = 0  # since the store was built (the router's expiry counter reads it)
+        # Sampled turns in no exported trajectory, by reason, since the store was built (the router's metric).
+        self.turns_not_exported: dict[str, int] = {DROPPED_BRANCH: 0, SESSION_EXPIRED: 0}
         self._clock = clock
         self.max_turns_per_session = max_turns_per_session
         self.gc_threshold = gc_threshold
@@ -239,9 +296,8 @@ class TitoStore:
         self._idle: OrderedDict[str, None] = OrderedDict()
         self._per_client: dict[str, int] = {}
         self._lock = threading.Lock()
-        # The end-of-turn token texts (the template writes one after an assistant message), longest first.
-        self._eot_text_of = {i: tokenizer.decode([i], skip_special_tokens=False) for i in tokenizer.eos_token_ids}
-        self._eot_texts = sorted({t for t in self._eot_text_of.values() if t}, key=len, reverse=True)
+        self._codecs: dict[Tokenizer, _Codec] = {}  # per model's tokenizer (a router has one per model served)
+        self._default_codec = _Codec.of(tokenizer) if tokenizer is not None else None
 
     # ---- sessions ---------------------------------------------------------------------------------------
 
@@ -267,6 +323,7 @@ class TitoStore:
             return sid
 
     def delete_session(self, sid: str) -> None:
+        """Forget the session (its owner asked: nothing it held counts as lost)."""
         with self._lock:
             self._drop(self._session(sid))
 
@@ -282,8 +339,9 @@ class TitoStore:
         return sid in self._sessions
 
     def num_nodes(self, sid: str) -> int:
-        with self._lock:
-            return len(self._session(sid).nodes)
+        session = self._lookup(sid)
+        with session.lock:
+            return len(session.nodes)
 
     def client_sessions(self, client: str) -> int:
         return self._per_client.get(client, 0)
@@ -298,85 +356,115 @@ class TitoStore:
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        tokenizer: Tokenizer | None = None,
+        model: str | None = None,
     ) -> PreparedTurn:
         """The prompt ids for the next turn of `trajectory_id`; it stays pending until record_turn.
 
+        The prompt is rendered and tokenized with `tokenizer` (the model's; default: the store's), and `model`
+        is part of the history: a turn continues only turns recorded for the same model.
+
         Per turn the work that grows with the conversation is one template render and C-speed comparisons:
         the messages are matched against the trajectory's recorded path (so only the new ones are hashed),
-        and the render is checked against the path's recorded render; only the new suffix is tokenized.
+        and the render is checked against the path's recorded render; only the new suffix is tokenized. All of
+        it runs under the session's lock only.
         """
+        codec = self._codec(tokenizer)
         with self._lock:
             session = self._session(sid)
-            _check_trajectory_id(trajectory_id)
-            traj = session.trajectories.get(trajectory_id)
-            if traj is not None and traj.pending is not None:
-                raise TurnNotRecorded(
-                    f"TITO session {sid!r} trajectory {trajectory_id}: the previous turn was prepared but not "
-                    "recorded; record (or abandon) it before preparing the next"
-                )
-            if session.turns_recorded >= self.max_turns_per_session:
-                raise TooManyTurns(f"TITO session {sid!r} reached max_turns_per_session={self.max_turns_per_session}")
-            msgs = _check_messages(messages)
-            tool_list = [dict(t) for t in tools] if tools else None
-            kwargs = dict(template_kwargs or {})
-            taken = TEMPLATE_CALL_ARGS.intersection(kwargs)
-            if taken:
-                raise InvalidTurn(f"template_kwargs cannot set {sorted(taken)}: the template call sets them")
-            own_path = session.path(traj.leaf) if traj is not None else []
-            chain, items = _chain_hashes([{"tools": tool_list, "template_kwargs": kwargs}, *msgs], own_path)
-            full = self._render(msgs, True, tool_list, kwargs)
-
-            report: list[dict[str, Any]] = []
-            parent = self._find_parent(session, own_path, msgs, chain)
-            prompt_ids: list[int] = []
-            rendered = 0  # the length of the parent path's render, the start of this turn's part of `full`
-            new_text = full
-            if parent is not None:
-                path = own_path if own_path and own_path[-1] is parent else session.path(parent.id)
-                start = _rendered_prefix(path, full)
-                reply = msgs[parent.num_messages]
-                suffix = None if start is None else self._suffix_text(parent, full, start, reply)
-                if start is None or suffix is None:
-                    report.append(
-                        {
-                            "mismatch_type": "template_not_prefix_stable",
-                            "position": 0,
-                            "detail": f"the render of the conversation up to node {parent.id} is not a prefix of "
-                            "the full render; tokenized the whole prompt as a new root",
-                        }
-                    )
-                    logger.warning("TITO session %s: template not prefix-stable, full re-tokenization", sid)
-                    parent = None
-                else:
-                    rendered, new_text = start, suffix
-                    prompt_ids = _ids_of(path)
-            reused = len(prompt_ids)
-            try:
-                prompt_ids += self.tokenizer.encode(new_text)
-                if self.debug:
-                    report += _compare_ids(prompt_ids, self.tokenizer.encode(full))
-            except InvalidTextError as e:
-                raise InvalidTurn(f"the messages cannot be tokenized: {e}") from None
-
-            parent_id = parent.id if parent is not None else None
-            leaf = traj.leaf if traj is not None else None
-            first = parent.num_messages + 1 if parent is not None else 0  # items[first:]: this turn's part
-            prepared = PreparedTurn(
-                session_id=sid,
-                trajectory_id=trajectory_id,
-                prompt_ids=prompt_ids,
-                parent_node_id=parent_id,
-                reused_tokens=reused,
-                branched=parent_id != leaf and (parent_id is not None or leaf is not None),
-                draft=_Draft(len(msgs), items[first:], chain[first:], full[rendered:]),
-                mismatch_report=report,
-            )
-            if traj is None:
-                traj = session.trajectories[trajectory_id] = _Trajectory(trajectory_id)
-            traj.pending = prepared
+            # In use from now on: out of expiry's reach until the turn is recorded or abandoned.
             session.turns_in_flight += 1
-            self._idle.pop(sid, None)  # in use: out of expiry's reach until the turn ends
-            return prepared
+            self._idle.pop(sid, None)
+        try:
+            with session.lock:
+                return self._prepare(session, codec, trajectory_id, messages, tools, template_kwargs, model)
+        except BaseException:
+            with self._lock:
+                self._end_turn(session)
+            raise
+
+    def _prepare(
+        self,
+        session: _Session,
+        codec: _Codec,
+        trajectory_id: int,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        template_kwargs: Mapping[str, Any] | None,
+        model: str | None,
+    ) -> PreparedTurn:
+        sid = session.id
+        _check_trajectory_id(trajectory_id)
+        traj = session.trajectories.get(trajectory_id)
+        if traj is not None and traj.pending is not None:
+            raise TurnNotRecorded(
+                f"TITO session {sid!r} trajectory {trajectory_id}: the previous turn was prepared but not "
+                "recorded; record (or abandon) it before preparing the next"
+            )
+        if session.turns_recorded >= self.max_turns_per_session:
+            raise TooManyTurns(f"TITO session {sid!r} reached max_turns_per_session={self.max_turns_per_session}")
+        msgs = _check_messages(messages)
+        tool_list = [dict(t) for t in tools] if tools else None
+        kwargs = dict(template_kwargs or {})
+        taken = TEMPLATE_CALL_ARGS.intersection(kwargs)
+        if taken:
+            raise InvalidTurn(f"template_kwargs cannot set {sorted(taken)}: the template call sets them")
+        header: dict[str, Any] = {"tools": tool_list, "template_kwargs": kwargs}
+        if model is not None:  # another model's ids mean other tokens: its turns are another history
+            header["model"] = model
+        own_path = session.path(traj.leaf) if traj is not None else []
+        chain, items = _chain_hashes([header, *msgs], own_path)
+        full = codec.render(msgs, True, tool_list, kwargs)
+
+        report: list[dict[str, Any]] = []
+        parent = self._find_parent(session, own_path, msgs, chain)
+        prompt_ids: list[int] = []
+        rendered = 0  # the length of the parent path's render, the start of this turn's part of `full`
+        new_text = full
+        if parent is not None:
+            path = own_path if own_path and own_path[-1] is parent else session.path(parent.id)
+            start = _rendered_prefix(path, full)
+            reply = msgs[parent.num_messages]
+            suffix = None if start is None else _suffix_text(codec, parent, full, start, reply)
+            if start is None or suffix is None:
+                report.append(
+                    {
+                        "mismatch_type": "template_not_prefix_stable",
+                        "position": 0,
+                        "detail": f"the render of the conversation up to node {parent.id} is not a prefix of "
+                        "the full render; tokenized the whole prompt as a new root",
+                    }
+                )
+                logger.warning("TITO session %s: template not prefix-stable, full re-tokenization", sid)
+                parent = None
+            else:
+                rendered, new_text = start, suffix
+                prompt_ids = _ids_of(path)
+        reused = len(prompt_ids)
+        try:
+            prompt_ids += codec.tokenizer.encode(new_text)
+            if self.debug:
+                report += _compare_ids(prompt_ids, codec.tokenizer.encode(full))
+        except InvalidTextError as e:
+            raise InvalidTurn(f"the messages cannot be tokenized: {e}") from None
+
+        parent_id = parent.id if parent is not None else None
+        leaf = traj.leaf if traj is not None else None
+        first = parent.num_messages + 1 if parent is not None else 0  # items[first:]: this turn's part
+        prepared = PreparedTurn(
+            session_id=sid,
+            trajectory_id=trajectory_id,
+            prompt_ids=prompt_ids,
+            parent_node_id=parent_id,
+            reused_tokens=reused,
+            branched=parent_id != leaf and (parent_id is not None or leaf is not None),
+            draft=_Draft(len(msgs), items[first:], chain[first:], full[rendered:]),
+            mismatch_report=report,
+        )
+        if traj is None:
+            traj = session.trajectories[trajectory_id] = _Trajectory(trajectory_id)
+        traj.pending = prepared
+        return prepared
 
     def record_turn(
         self,
@@ -390,14 +478,16 @@ class TitoStore:
         weight_version: int | None = None,
         token_versions: Sequence[int | None] | None = None,
         assistant_message: Mapping[str, Any] | None = None,
+        routed_experts: Mapping[str, Any] | None = None,
     ) -> int:
         """Record what the model sampled for `prepared`; returns the new node's id.
 
         `assistant_message`, when given, is the message the router built from the output: a later turn then
-        continues this node only if it echoes that message unchanged.
+        continues this node only if it echoes that message unchanged. `routed_experts`: the record's MoE routing
+        (COMPAT section 6's blob, as psrl.tito.training reads it), when the replica recorded it.
         """
-        with self._lock:
-            session = self._session(sid)
+        session = self._lookup(sid)
+        with session.lock:
             traj = session.trajectories.get(trajectory_id)
             if traj is None or traj.pending is None or traj.pending is not prepared:
                 raise TurnNotPrepared(
@@ -431,6 +521,7 @@ class TitoStore:
                 plain=[_plain(item) for item in draft.items],
                 hashes=draft.hashes,
                 rendered_tail=draft.rendered_tail,
+                routed_experts=None if routed_experts is None else dict(routed_experts),
             )
             if assistant_message is not None:
                 node.assistant = _normalize(dict(assistant_message))
@@ -441,53 +532,107 @@ class TitoStore:
             session.nodes[node.id] = node
             session.by_prompt_hash.setdefault(node.prompt_hash, []).append(node.id)
             session.turns_recorded += 1
+            session.unsnapshotted += 1
 
             old_leaf = traj.leaf
             if old_leaf is not None and old_leaf != parent and old_leaf not in _ancestors(session, parent):
                 traj.dead_leaves.append(old_leaf)
             traj.leaf = node.id
             traj.pending = None
-            self._end_turn(session)
-            if self.drop_dead_leaves:
-                traj.dead_leaves.clear()
-            if len(session.nodes) > self.gc_threshold:
+            lost: list[_Node] = []
+            if self.drop_dead_leaves and traj.dead_leaves:
+                dropped, traj.dead_leaves = traj.dead_leaves, []
+                lost = self._newly_unreachable(session, dropped)
+            if session.unreachable and len(session.nodes) > self.gc_threshold:
                 self._collect_garbage(session)
-            return node.id
-
-    def abandon_turn(self, sid: str, trajectory_id: int) -> None:
-        """Forget the pending prepared turn (the generation failed); the trajectory stays as it was."""
         with self._lock:
-            session = self._session(sid)
+            self._end_turn(session)
+            self.turns_not_exported[DROPPED_BRANCH] += len(lost)
+        if lost:
+            _log_not_exported(sid, lost, "dropped from every branch (tito_drop_dead_leaves)")
+        return node.id
+
+    def abandon_turn(self, sid: str, trajectory_id: int, prepared: PreparedTurn | None = None) -> None:
+        """Forget the pending prepared turn (the generation failed); the trajectory stays as it was.
+
+        With `prepared`, only that turn is forgotten (not a later one prepared meanwhile)."""
+        session = self._lookup(sid)
+        lost: list[_Node] = []
+        with session.lock:
             traj = session.trajectories.get(trajectory_id)
             if traj is None:
                 return
-            if traj.pending is not None:
-                traj.pending = None
-                self._end_turn(session)
+            pending = traj.pending
+            if pending is None or (prepared is not None and pending is not prepared):
+                return
+            traj.pending = None
             if traj.leaf is None and not traj.dead_leaves:
                 del session.trajectories[trajectory_id]
+            if self.drop_dead_leaves:
+                # A dropped branch that only this pending turn still continued: no longer reachable.
+                lost = self._newly_unreachable(session, [pending.parent_node_id])
+        with self._lock:
+            self._end_turn(session)
+            self.turns_not_exported[DROPPED_BRANCH] += len(lost)
+        if lost:
+            _log_not_exported(sid, lost, "dropped from every branch (tito_drop_dead_leaves)")
 
     # ---- snapshot ---------------------------------------------------------------------------------------
 
     def snapshot(self, sid: str) -> dict[str, Any]:
-        """COMPAT section 6's GET /tito/sessions/{sid} body (trajectories sorted by id, plus the tree)."""
-        with self._lock:
-            session = self._session(sid)
-            trajectories = []
-            leaves = []
-            through: dict[int, list[int]] = {}
+        """COMPAT section 6's GET /tito/sessions/{sid} body, with every branch that holds sampled turns.
+
+        `trajectories` has, per trajectory id (ascending), its final history first (`final: true`: the path to
+        the turn it recorded last, what the agent's conversation is now), then each other branch it left
+        behind (`final: false`, a history rewrite, or an agent that dropped its reply), oldest first; a branch
+        that another exported one continues is not listed again. `path_node_ids` are a branch's tree nodes,
+        one per record. `turns_not_exported` counts this session's sampled turns no branch holds any more.
+        """
+        session = self._lookup(sid)
+        with session.lock:
+            branches: list[tuple[int, int | None, bool]] = []  # (trajectory id, leaf, final)
+            paths: dict[int | None, list[_Node]] = {}
             for tid in sorted(session.trajectories):
                 traj = session.trajectories[tid]
-                path = session.path(traj.leaf)
+                branches.append((tid, traj.leaf, True))
+                branches += [(tid, d, False) for d in sorted(traj.dead_leaves)]
+            for _, leaf, _ in branches:
+                if leaf not in paths:
+                    paths[leaf] = session.path(leaf)
+            # A left-behind leaf that another branch continues (the agent went back to it) holds no turn of its own.
+            continued = {n.id for path in paths.values() for n in path[:-1]}
+            finals = {leaf for _, leaf, final in branches if final}
+            exported = [
+                (tid, leaf, final)
+                for tid, leaf, final in branches
+                if final or (leaf not in continued and leaf not in finals)
+            ]
+
+            trajectories = []
+            through: dict[int, list[int]] = {}
+            newly_snapshotted = 0
+            for tid, leaf, final in exported:
+                path = paths[leaf]
                 trajectories.append(
                     {
                         "trajectory_id": tid,
                         "accumulated_token_ids": _ids_of(path),
                         "records": [_record(n) for n in path],
+                        "final": final,
+                        "path_node_ids": [n.id for n in path],
                     }
                 )
                 for node in path:
-                    through.setdefault(node.id, []).append(tid)
+                    tids = through.setdefault(node.id, [])
+                    if not tids or tids[-1] != tid:
+                        tids.append(tid)
+                    if not node.snapshotted:
+                        node.snapshotted = True
+                        newly_snapshotted += 1
+            session.unsnapshotted -= newly_snapshotted
+            leaves = []
+            for tid in sorted(session.trajectories):
+                traj = session.trajectories[tid]
                 if traj.leaf is not None:
                     leaves.append(_leaf(session, tid, traj.leaf, dead=False))
                 leaves += [_leaf(session, tid, d, dead=True) for d in traj.dead_leaves]
@@ -507,17 +652,38 @@ class TitoStore:
                 "session_id": sid,
                 "max_trim_tokens": self.max_trim_tokens,
                 "trajectories": trajectories,
+                "turns_not_exported": session.turns_not_exported,
                 "tree": {"nodes": nodes, "leaves": leaves},
             }
 
     # ---- internals --------------------------------------------------------------------------------------
 
+    def _codec(self, tokenizer: Tokenizer | None) -> _Codec:
+        if tokenizer is None:
+            if self._default_codec is None:
+                raise TitoError("this TITO store has no default tokenizer: pass the model's tokenizer")
+            return self._default_codec
+        if tokenizer is self.tokenizer and self._default_codec is not None:
+            return self._default_codec
+        with self._lock:
+            codec = self._codecs.get(tokenizer)
+        if codec is None:
+            codec = _Codec.of(tokenizer)  # a few decodes, outside the store's lock
+            with self._lock:
+                codec = self._codecs.setdefault(tokenizer, codec)
+        return codec
+
+    def _lookup(self, sid: str) -> _Session:
+        with self._lock:
+            return self._session(sid)
+
     def _session(self, sid: str) -> _Session:
-        """The session, as used now (its idle time starts again); an idle one past its TTL expires here."""
+        """The session, as used now (its idle time starts again); an idle one past its TTL expires here.
+
+        Under the store's lock."""
         session = self._sessions.get(sid)
         if session is not None and self._expired(session, self._clock()):
-            self._drop(session)
-            self.sessions_expired += 1
+            self._expire(session)
             session = None
         if session is None:
             raise SessionNotFound(f"TITO session {sid!r} not found")
@@ -529,7 +695,7 @@ class TitoStore:
 
     def _touch(self, session: _Session) -> None:
         session.last_used = self._clock()
-        if not session.turns_in_flight:
+        if not session.turns_in_flight and self._sessions.get(session.id) is session:
             self._idle[session.id] = None
             self._idle.move_to_end(session.id)
 
@@ -547,6 +713,23 @@ class TitoStore:
             else:
                 del self._per_client[session.client]
 
+    def _expire(self, session: _Session) -> None:
+        """Drop a session past its TTL; its turns no snapshot included are lost (counted, logged)."""
+        self._drop(session)
+        self.sessions_expired += 1
+        # Read without the session's lock: an expired session has no turn in flight, so nothing records into
+        # it; at worst a snapshot being taken right now has not subtracted its turns yet.
+        lost = max(session.unsnapshotted, 0)
+        if lost:
+            self.turns_not_exported[SESSION_EXPIRED] += lost
+            logger.warning(
+                "TITO session %s expired after %g s idle with %d sampled turns no snapshot exported; they are in "
+                "no training data",
+                session.id,
+                self.session_ttl_s,
+                lost,
+            )
+
     def _expire_idle(self, limit: int | None) -> int:
         if not self.session_ttl_s:
             return 0
@@ -556,24 +739,9 @@ class TitoStore:
             oldest = self._sessions[next(iter(self._idle))]
             if not self._expired(oldest, now):
                 break  # the rest were used more recently
-            self._drop(oldest)
+            self._expire(oldest)
             dropped += 1
-        self.sessions_expired += dropped
         return dropped
-
-    def _render(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool,
-        tools: list[dict[str, Any]] | None,
-        kwargs: dict[str, Any],
-    ) -> str:
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
-            )
-        except ChatTemplateError as exc:
-            raise TemplateRenderError(str(exc)) from exc
 
     def _find_parent(
         self, session: _Session, own_path: list[_Node], msgs: list[dict[str, Any]], chain: list[str]
@@ -590,38 +758,18 @@ class TitoStore:
             if not same_prompt:
                 continue
             echoed = _reply_signature(msgs[n])
-            candidates = [session.nodes[i] for i in same_prompt if session.nodes[i].reply_signature in (None, echoed)]
+            candidates = [
+                node
+                for node in map(session.nodes.__getitem__, same_prompt)
+                if node.reply_signature in (None, echoed) and not node.unexported
+            ]
             if candidates:
                 # Two turns may share a prompt (samples of one prompt); prefer this trajectory's own, then the newest.
                 return max(candidates, key=lambda node: (node.id in own, node.id))
         return None
 
-    def _suffix_text(self, parent: _Node, full: str, start: int, reply: Mapping[str, Any]) -> str | None:
-        """The text of `full` after what the model sampled in `parent`; None when the template is not prefix-stable.
-
-        `full[:start]` is the render `parent` was prompted with (see _rendered_prefix). The reply starts there;
-        ChatML renders it as `...<|im_end|>\\n` while the model stops after `<|im_end|>`: the suffix starts right
-        after the end-of-turn text when the output ended with it, and at the end-of-turn text when it did not (a
-        length cut), so that the template's own closing is still added. A reply whose text the template renders
-        as is is skipped first, so an end-of-turn text inside it (a model explaining ChatML) is not taken for
-        the end.
-        """
-        content = reply.get("content")
-        if isinstance(content, str) and content and full.startswith(content, start):
-            start += len(content)
-        best, eot = -1, ""
-        for text in self._eot_texts:
-            pos = full.find(text, start)
-            if pos >= 0 and (best < 0 or pos < best):
-                best, eot = pos, text
-        if best < 0:
-            return None
-        out = parent.output_ids
-        ended = bool(out) and self._eot_text_of.get(out[-1]) == eot
-        return full[best + len(eot) if ended else best :]
-
-    def _collect_garbage(self, session: _Session) -> None:
-        """Drop nodes no live leaf (kept dead leaves and pending turns' parents included) reaches."""
+    def _reachable(self, session: _Session) -> set[int]:
+        """The nodes some leaf reaches (kept dead leaves and pending turns' parents included)."""
         roots: list[int | None] = []
         for traj in session.trajectories.values():
             roots.append(traj.leaf)
@@ -633,14 +781,75 @@ class TitoStore:
             while node_id is not None and node_id not in keep:
                 keep.add(node_id)
                 node_id = session.nodes[node_id].parent
-        if len(keep) == len(session.nodes):
-            return
+        return keep
+
+    def _newly_unreachable(self, session: _Session, starts: Sequence[int | None]) -> list[_Node]:
+        """The nodes on the paths to `starts` that no leaf reaches any more (just dropped): they are in no
+        exported branch now. Counted once: as unreachable (for GC), and out of the unsnapshotted count."""
+        keep = self._reachable(session)
+        lost: dict[int, _Node] = {}
+        for node_id in starts:
+            while node_id is not None and node_id not in keep and node_id not in lost and node_id in session.nodes:
+                node = session.nodes[node_id]
+                if node.unexported:
+                    break  # already counted when an earlier drop cut it off
+                lost[node_id] = node
+                node_id = node.parent
+        for node in lost.values():
+            node.unexported = True
+            if not node.snapshotted:
+                session.unsnapshotted -= 1
+        session.unreachable += len(lost)
+        session.turns_not_exported += len(lost)
+        return sorted(lost.values(), key=lambda n: n.id)
+
+    def _collect_garbage(self, session: _Session) -> None:
+        """Free the nodes no leaf reaches (dropped branches; kept dead leaves and pending turns' parents stay)."""
+        keep = self._reachable(session)
         for node_id in [i for i in session.nodes if i not in keep]:
             node = session.nodes.pop(node_id)
             same = session.by_prompt_hash[node.prompt_hash]
             same.remove(node_id)
             if not same:
                 del session.by_prompt_hash[node.prompt_hash]
+        session.unreachable = 0
+
+
+def _suffix_text(codec: _Codec, parent: _Node, full: str, start: int, reply: Mapping[str, Any]) -> str | None:
+    """The text of `full` after what the model sampled in `parent`; None when the template is not prefix-stable.
+
+    `full[:start]` is the render `parent` was prompted with (see _rendered_prefix). The reply starts there;
+    ChatML renders it as `...<|im_end|>\\n` while the model stops after `<|im_end|>`: the suffix starts right
+    after the end-of-turn text when the output ended with it, and at the end-of-turn text when it did not (a
+    length cut), so that the template's own closing is still added. A reply whose text the template renders
+    as is is skipped first, so an end-of-turn text inside it (a model explaining ChatML) is not taken for
+    the end.
+    """
+    content = reply.get("content")
+    if isinstance(content, str) and content and full.startswith(content, start):
+        start += len(content)
+    best, eot = -1, ""
+    for text in codec.eot_texts:
+        pos = full.find(text, start)
+        if pos >= 0 and (best < 0 or pos < best):
+            best, eot = pos, text
+    if best < 0:
+        return None
+    out = parent.output_ids
+    ended = bool(out) and codec.eot_text_of.get(out[-1]) == eot
+    return full[best + len(eot) if ended else best :]
+
+
+def _log_not_exported(sid: str, lost: list[_Node], why: str) -> None:
+    tokens = sum(len(n.output_ids) for n in lost)
+    logger.info(
+        "TITO session %s: %d sampled turns (%d tokens, nodes %s) %s; they are in no exported trajectory",
+        sid,
+        len(lost),
+        tokens,
+        [n.id for n in lost],
+        why,
+    )
 
 
 # --- helpers -----------------------------------------------------------------------------------------------
@@ -841,7 +1050,7 @@ def _record(node: _Node) -> dict[str, Any]:
         "output_logprobs": None if lps is None else [[lp, tok] for lp, tok in zip(lps, node.output_ids)],
         "finish_reason": node.finish_reason,
         "mismatch_report": list(node.mismatch_report),
-        "routed_experts": None,
+        "routed_experts": node.routed_experts,
         "weight_version": node.weight_version,
         "output_token_versions": None if node.token_versions is None else list(node.token_versions),
     }

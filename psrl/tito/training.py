@@ -48,6 +48,12 @@ class TrainingArrays:
     routed_experts: np.ndarray | None  # [P + R - 1, L, K], the first blob's dtype
     trajectory_id: TrajectoryId | None = None
     finish_reason: str | None = None
+    # The branch this sample was built from: whether it is its trajectory's final history (the snapshot's
+    # `final`; True for a snapshot or trajectory that does not say), its tree nodes (one per turn) and the
+    # snapshot's records of its turns, root to leaf.
+    final: bool = True
+    path_node_ids: tuple[int, ...] = ()
+    records: tuple[Mapping[str, Any], ...] = ()
 
 
 def build_training_arrays(
@@ -59,8 +65,10 @@ def build_training_arrays(
 ) -> TrainingArrays:
     """Build one trajectory's arrays from a GET /tito/sessions/{sid} snapshot or from one of its trajectories.
 
-    With a snapshot, `trajectory_id` picks the trajectory; it may be omitted when there is exactly one.
-    `max_trim_tokens` defaults to the snapshot's own value (0 when absent, and for a bare trajectory).
+    With a snapshot, `trajectory_id` picks the trajectory's final history (the entry marked `final`; the other
+    branches it left behind are built by build_all_training_arrays, or by passing one entry of `trajectories`);
+    it may be omitted when the snapshot has exactly one trajectory id. `max_trim_tokens` defaults to the
+    snapshot's own value (0 when absent, and for a bare trajectory).
     """
     if _is_snapshot(snapshot_or_trajectory):
         trajectories = _trajectories(snapshot_or_trajectory)
@@ -83,13 +91,19 @@ def build_training_arrays(
 
 
 def build_all_training_arrays(
-    snapshot: Mapping[str, Any], *, max_trim_tokens: int | None = None
+    snapshot: Mapping[str, Any], *, max_trim_tokens: int | None = None, final_only: bool = False
 ) -> list[TrainingArrays]:
-    """Build the arrays of every trajectory in a snapshot, sorted by trajectory id."""
+    """Build one sample per exported branch of a snapshot: every sampled turn of the session is in one of them.
+
+    Sorted by trajectory id; within one, its final history first, then the branches it left behind (history
+    rewrites, an agent that dropped its reply), in the snapshot's order. `final_only`: only the final histories.
+    """
     if not _is_snapshot(snapshot):
         raise TrainingDataError("build_all_training_arrays needs a session snapshot with `trajectories`")
     trim = (snapshot.get("max_trim_tokens") or 0) if max_trim_tokens is None else max_trim_tokens
     trajectories = sorted(_trajectories(snapshot), key=lambda t: _id_sort_key(t.get("trajectory_id")))
+    if final_only:
+        trajectories = [t for t in trajectories if _is_final(t)]
     return [_build(t, max_trim_tokens=trim, prompt_ids_override=None) for t in trajectories]
 
 
@@ -126,15 +140,24 @@ def _trajectories(snapshot: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return trajectories
 
 
+def _is_final(trajectory: Mapping[str, Any]) -> bool:
+    # Snapshots from before branches were exported have no `final`: each entry is its trajectory's history.
+    return trajectory.get("final", True) is not False
+
+
 def _select_trajectory(trajectories: list[Mapping[str, Any]], trajectory_id: TrajectoryId | None) -> Mapping[str, Any]:
-    ids = [t.get("trajectory_id") for t in trajectories]
+    finals = [t for t in trajectories if _is_final(t)]
+    ids = [t.get("trajectory_id") for t in finals]
     if trajectory_id is None:
-        if len(trajectories) == 1:
-            return trajectories[0]
-        if not trajectories:
+        if len(finals) == 1:
+            return finals[0]
+        if not finals:
             raise TrainingDataError("snapshot has no trajectories")
-        raise TrainingDataError(f"snapshot has {len(trajectories)} trajectories {ids}; pass trajectory_id")
-    for trajectory, tid in zip(trajectories, ids):
+        raise TrainingDataError(
+            f"snapshot has {len(finals)} trajectories {ids}; pass trajectory_id (or build all of them, every "
+            "branch included, with build_all_training_arrays)"
+        )
+    for trajectory, tid in zip(finals, ids):
         if _same_id(tid, trajectory_id):
             return trajectory
     raise TrainingDataError(f"trajectory_id {trajectory_id!r} not in snapshot (has {ids})")
@@ -167,6 +190,9 @@ def _build(
     if not isinstance(records, list):
         raise TrainingDataError(f"trajectory {tid!r}: `records` must be a list")
 
+    final = _is_final(trajectory)
+    path_node_ids = tuple(trajectory.get("path_node_ids") or ())
+
     # Step 1.
     if not records:
         return TrainingArrays(
@@ -179,6 +205,9 @@ def _build(
             routed_experts=None,
             trajectory_id=tid,
             finish_reason=None,
+            final=final,
+            path_node_ids=path_node_ids,
+            records=tuple(records),
         )
 
     prompt_lens = [_prompt_len(r, i, len(acc), tid) for i, r in enumerate(records)]
@@ -247,6 +276,9 @@ def _build(
         routed_experts=_assemble_routed_experts(records, len(prompt) + len(ids) - 1, tid),  # Step 7.
         trajectory_id=tid,
         finish_reason=records[-1].get("finish_reason"),
+        final=final,
+        path_node_ids=path_node_ids,
+        records=tuple(records),
     )
 
 

@@ -101,8 +101,8 @@ def test_ten_turn_tool_agent_records_exactly_the_sampled_ids(stack: Stack) -> No
     results: list[str] = []
     client_logprobs: list[list[float]] = []
     for turn in range(TURNS):
-        choice, call = _tool_turn(stack, client, messages)
-        # The SessionRouter forced logprobs on: one entry per sampled token, texts of the chain ids.
+        choice, call = _tool_turn(stack, client, messages, logprobs=True)
+        # Asked for: one entry per sampled token, texts of the chain ids (the session forces none).
         entries = choice.logprobs.content
         assert [e.token for e in entries] == [tok.decode([i], skip_special_tokens=False) for i in chain]
         client_logprobs.append([e.logprob for e in entries])
@@ -230,7 +230,10 @@ def test_history_rewrite_branches_and_keeps_the_old_trajectory(stack: Stack) -> 
         }
     leaves = {(leaf["trajectory_id"], leaf["dead"]): leaf["path_node_ids"] for leaf in after["tree"]["leaves"]}
     assert leaves == {(0, False): [0, 4], (0, True): [0, 1, 2], (1, False): [0, 3]}
-    traj0, traj1 = after["trajectories"]
+    # Each branch is exported: trajectory 0's final history, the branch its rewrite left behind, trajectory 1.
+    traj0, left, traj1 = after["trajectories"]
+    assert (left["trajectory_id"], left["final"], left["path_node_ids"]) == (0, False, [0, 1, 2])
+    assert left["records"] == old["records"] and left["accumulated_token_ids"] == old["accumulated_token_ids"]
     assert traj1 == branch
     assert traj0["records"][0] == old["records"][0] and len(traj0["records"]) == 2
     assert _sampled(traj0) == chain * 2

@@ -227,9 +227,15 @@ def test_history_rewrite_branches_and_keeps_the_old_branch(tok: Tokenizer) -> No
     assert [(d["node_id"], d["path_node_ids"]) for d in dead] == [(2, [0, 1, 2])]
     (live,) = [leaf for leaf in after["tree"]["leaves"] if not leaf["dead"]]
     assert live["path_node_ids"] == [0, 3] and live["parent"] == 0
-    (traj,) = after["trajectories"]
+    # Both branches are exported: the final history first, then the branch the rewrite left behind, unchanged.
+    traj, left = after["trajectories"]
+    assert (traj["final"], traj["path_node_ids"]) == (True, [0, 3])
+    assert (left["final"], left["path_node_ids"]) == (False, [0, 1, 2])
     assert len(traj["records"]) == 2
     assert traj["records"][0] == old_traj["records"][0]
+    assert {**left, "final": True} == old_traj
+    assert [(a.final, a.num_turns) for a in build_all_training_arrays(after)] == [(True, 2), (False, 3)]
+    assert build_training_arrays(after).path_node_ids == (0, 3)  # one trajectory id: its final history
 
     # No common prefix at all: a new root, fully tokenized.
     fresh = [user("Water boils at one hundred degrees.")]
@@ -539,9 +545,12 @@ def test_snapshot_shape(tok: Tokenizer) -> None:
         token_versions=[3] * len(out),
     )  # fmt: skip
     snap = store.snapshot(sid)
-    assert set(snap) == {"session_id", "max_trim_tokens", "trajectories", "tree"}
-    assert snap["session_id"] == sid and snap["max_trim_tokens"] == 1
-    (rec,) = snap["trajectories"][0]["records"]
+    assert set(snap) == {"session_id", "max_trim_tokens", "trajectories", "turns_not_exported", "tree"}
+    assert snap["session_id"] == sid and snap["max_trim_tokens"] == 1 and snap["turns_not_exported"] == 0
+    (traj,) = snap["trajectories"]
+    assert set(traj) == {"trajectory_id", "accumulated_token_ids", "records", "final", "path_node_ids"}
+    assert traj["final"] is True and traj["path_node_ids"] == [0]
+    (rec,) = traj["records"]
     assert rec == {
         "prompt_token_count": len(p.prompt_ids),
         "output_logprobs": None,

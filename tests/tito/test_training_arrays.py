@@ -306,6 +306,31 @@ def test_several_trajectories_selection() -> None:
     assert build_training_arrays(snapshot(t1)).trajectory_id == 1
 
 
+def test_branches_each_build_a_sample_and_the_final_one_is_the_trajectorys() -> None:
+    # Trajectory 0's final history (nodes 0, 2), the branch it left behind (node 1), and trajectory 1.
+    final = {**trajectory([*PROMPT, 10, 4, 12], [record(3, [10]), record(5, [12])]), "final": True}
+    final["path_node_ids"] = [0, 2]
+    left = {**trajectory([*PROMPT, 11], [record(3, [11])]), "final": False, "path_node_ids": [1]}
+    other = {**trajectory([*PROMPT, 13], [record(3, [13])], tid=1), "final": True, "path_node_ids": [3]}
+    snap = snapshot(final, left, other)
+    every = build_all_training_arrays(snap)
+    assert [(a.trajectory_id, a.final, a.path_node_ids, a.num_turns) for a in every] == [
+        (0, True, (0, 2), 2),
+        (0, False, (1,), 1),
+        (1, True, (3,), 1),
+    ]
+    assert every[1].response_ids.tolist() == [11] and every[1].records == tuple(left["records"])
+    assert [a.path_node_ids for a in build_all_training_arrays(snap, final_only=True)] == [(0, 2), (3,)]
+    # One sample per trajectory id picks its final history; a left-behind branch builds from its entry.
+    assert build_training_arrays(snap, trajectory_id=0).path_node_ids == (0, 2)
+    assert build_training_arrays(snapshot(final, left)).response_ids.tolist() == [10, 4, 12]
+    assert build_training_arrays(left).response_ids.tolist() == [11]
+    with pytest.raises(TrainingDataError, match="build_all_training_arrays"):
+        build_training_arrays(snap)
+    # An entry without `final` (a snapshot from before branches were exported) is its trajectory's history.
+    assert build_training_arrays(snapshot(trajectory([*PROMPT, 11], [record(3, [11])]))).final
+
+
 def test_legacy_flat_snapshot_is_rejected() -> None:
     flat = {"session_id": "s1", "accumulated_token_ids": [*PROMPT, 10], "records": [record(3, [10])]}
     with pytest.raises(TrainingDataError, match="trajectories"):
