@@ -21,9 +21,10 @@ def _chunk(result: dict[str, Any], choices: list[dict[str, Any]], usage: Any = N
     return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
 
 
-def chat_sse_events(result: dict[str, Any]) -> list[str]:
-    """Per choice: a role chunk, reasoning_content, content, tool_calls (indexed), then one finish_reason+usage
-    chunk per choice (usage on the last), then `[DONE]`."""
+def chat_sse_events(result: dict[str, Any], include_usage: bool = False) -> list[str]:
+    """Per choice: a role chunk, reasoning_content, content, tool_calls (indexed), then one finish_reason chunk
+    per choice, then (`include_usage`: the client's stream_options.include_usage) the usage alone on a chunk
+    with `choices: []`, as OpenAI and vLLM send it, then `[DONE]`."""
     events: list[str] = []
     choices = result.get("choices") or []
     for choice in choices:
@@ -46,10 +47,13 @@ def chat_sse_events(result: dict[str, Any]) -> list[str]:
                 "function": call.get("function") or {},
             }
             events.append(_chunk(result, [delta({"tool_calls": [tool_call]})]))
-    for n, choice in enumerate(choices):
-        last = n == len(choices) - 1
+    for choice in choices:
         final = {"index": choice.get("index", 0), "delta": {}, "logprobs": None}
         final["finish_reason"] = choice.get("finish_reason")
-        events.append(_chunk(result, [final], result.get("usage") if last else None))
+        if choice.get("stop_reason") is not None:
+            final["stop_reason"] = choice["stop_reason"]
+        events.append(_chunk(result, [final]))
+    if include_usage and result.get("usage") is not None:
+        events.append(_chunk(result, [], result["usage"]))
     events.append("data: [DONE]\n\n")
     return events

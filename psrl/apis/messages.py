@@ -115,7 +115,28 @@ def messages_to_chat(body: dict[str, Any]) -> dict[str, Any]:
     tools = chat_tools(body.get("tools"), schema_key="input_schema", tool_type=None)
     if tools:
         chat["tools"] = tools
+    if body.get("tool_choice") is not None:
+        chat.update(_chat_tool_choice(body["tool_choice"]))
     return chat
+
+
+def _chat_tool_choice(choice: Any) -> dict[str, Any]:
+    """The chat `tool_choice` (and `parallel_tool_calls`) of an Anthropic one: auto, any (= required), tool
+    (a named function) or none; `disable_parallel_tool_use` allows one call."""
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        chat_choice: Any = {"type": "function", "function": {"name": choice["name"]}}
+    elif kind in ("auto", "any", "none"):
+        chat_choice = "required" if kind == "any" else kind
+    else:
+        raise ApiShapeError(
+            "tool_choice must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name': ...}",
+            param="tool_choice",
+        )
+    out: dict[str, Any] = {"tool_choice": chat_choice}
+    if choice.get("disable_parallel_tool_use") is True:
+        out["parallel_tool_calls"] = False
+    return out
 
 
 def message_base(*, message_id: str, model: str | None, input_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
@@ -184,7 +205,10 @@ def chat_to_message(completion: dict[str, Any]) -> dict[str, Any]:
         stream.tool_use(call.get("id"), function.get("name"), tool_input_of(function.get("arguments")))
     # vLLM's `stop_reason` on a choice: the stop string (or stop token id) it stopped at
     stop_sequence = choice.get("stop_reason") if isinstance(choice.get("stop_reason"), str) else None
-    stream.finish(stop_reason_of(choice.get("finish_reason"), stop_sequence), usage, stop_sequence)
+    finish_reason = choice.get("finish_reason")
+    if finish_reason == "stop" and stop_sequence is None and message.get("tool_calls"):
+        finish_reason = "tool_calls"  # a named tool choice ends with "stop" in chat; Anthropic says tool_use
+    stream.finish(stop_reason_of(finish_reason, stop_sequence), usage, stop_sequence)
     return stream.message
 
 

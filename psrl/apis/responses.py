@@ -86,6 +86,18 @@ def _input_messages(items: Any) -> list[dict[str, Any]]:
     return messages
 
 
+def _chat_tool_choice(choice: Any) -> Any:
+    """The chat `tool_choice` of a Responses one: the modes pass as they are, `{type: "function", name}` names
+    a function; what chat has no form for (allowed_tools, built-in tools) is refused."""
+    if isinstance(choice, str):
+        return choice  # "none", "auto", "required": the chat parser checks the value
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise ApiShapeError(
+        "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}", param="tool_choice"
+    )
+
+
 def responses_to_chat(body: dict[str, Any]) -> dict[str, Any]:
     """A chat-completions body for a Responses request (stream, store and previous_response_id excluded)."""
     if body.get("previous_response_id") is not None:
@@ -108,6 +120,10 @@ def responses_to_chat(body: dict[str, Any]) -> dict[str, Any]:
     tools = chat_tools(body.get("tools"), schema_key="parameters", tool_type="function")
     if tools:
         chat["tools"] = tools
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _chat_tool_choice(body["tool_choice"])
+    if body.get("parallel_tool_calls") is not None:
+        chat["parallel_tool_calls"] = body["parallel_tool_calls"]
     include = body.get("include") or []
     if not isinstance(include, list):
         raise ApiShapeError("'include' must be a list", param="include")

@@ -9,10 +9,12 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from psrl.apis import chat_sse_events, message_sse_events, response_sse_events
@@ -111,6 +113,19 @@ def _wants_stream(body: dict[str, Any]) -> bool:
     return bool(stream)
 
 
+def _include_usage(body: dict[str, Any]) -> bool:
+    """`stream_options.include_usage` as the router reads it: the streamed reply then ends with a usage chunk."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise InvalidBody("'stream_options' must be an object")
+    include = options.get("include_usage")
+    if include is not None and not isinstance(include, bool):
+        raise InvalidBody(f"'stream_options.include_usage' must be a boolean, got {type(include).__name__}")
+    return bool(include)
+
+
 def _authorization(request: Request) -> dict[str, str]:
     """The client's own credentials for the router, forwarded as given."""
     auth = request.headers.get("authorization")
@@ -195,8 +210,10 @@ class SessionRouter:
         key = self.config.router_api_key
         if key and not any(name.lower() == "authorization" for name in headers):
             headers["authorization"] = f"Bearer {key}"
+        # Header values go on as the bytes they came as (ASGI servers decode them as latin-1).
+        raw = [(name.encode("latin-1"), value.encode("latin-1", "replace")) for name, value in headers.items()]
         try:
-            return await self.client.request(method, path, headers=headers, **kwargs)
+            return await self.client.request(method, quote(path, safe="/"), headers=raw, **kwargs)
         except httpx.TransportError as e:
             raise UpstreamUnavailable(f"router unreachable: {type(e).__name__}: {e}") from e
 
@@ -260,22 +277,21 @@ class SessionRouter:
             raise SessionClosing("session is closing")
 
     async def api_turn(self, sid: str, path: str, request: Request) -> Response:
-        """A turn on one of the agent APIs (`TURN_APIS`): sent upstream non-streamed (chat also with log-probs),
-        after the trajectory's previous turn; a client that asked for a stream gets the API's SSE sequence built
-        from the buffered result."""
+        """A turn on one of the agent APIs (`TURN_APIS`): sent upstream non-streamed, after the trajectory's
+        previous turn; a client that asked for a stream gets the API's SSE sequence built from the buffered
+        result. Log-probs are the client's to ask for: the router records every sampled token's log-prob in the
+        TITO turn whether or not the reply carries them."""
         state = self.state(sid)
         body = _json_body(await request.body())
         wants_stream = _wants_stream(body)
+        include_usage = path == CHAT_PATH and _include_usage(body)
         body["stream"] = False
         body.pop("stream_options", None)
-        if path == CHAT_PATH:
-            body["logprobs"] = True
-            body["top_logprobs"] = 1
         content = json.dumps(body).encode()
         upstream, result = await self._turn(state, request, f"/{path}", content, {"content-type": "application/json"})
         if not upstream.is_success or not wants_stream or not isinstance(result, dict):
             return _upstream_response(upstream)
-        events = TURN_APIS[path](result)
+        events = chat_sse_events(result, include_usage) if path == CHAT_PATH else TURN_APIS[path](result)
 
         async def stream() -> AsyncIterator[str]:
             for event in events:
@@ -343,9 +359,15 @@ class SessionRouter:
 
     async def control_items(self, request: Request) -> list[tuple[str, dict[str, Any]]]:
         try:
-            return session_ids_of(loads_bounded(await request.body()))
+            items = session_ids_of(loads_bounded(await request.body()))
         except ValueError as e:  # the body's JSON, or its shape
             raise InvalidBody(str(e)) from None
+        for sid, _ in items:
+            try:
+                sid.encode()
+            except UnicodeEncodeError:  # a lone surrogate from a JSON escape: no session has such an id
+                raise InvalidBody(f"session id {sid!a} is not valid Unicode") from None
+        return items
 
     def hang(self, items: list[tuple[str, dict[str, Any]]]) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {"hung": [], "deferred": [], "missing": []}
@@ -385,12 +407,21 @@ def create_app(config: SessionConfig, *, transport: httpx.AsyncBaseTransport | N
         finally:
             await sr.close()
 
-    app = FastAPI(title="PSRL SessionRouter", lifespan=lifespan)
+    # No redirect of "/sessions/" to "/sessions": an unknown path is a 404 like any other.
+    app = FastAPI(title="PSRL SessionRouter", lifespan=lifespan, redirect_slashes=False)
     app.state.session_router = sr
 
     @app.exception_handler(SessionError)
     async def _on_error(_: Request, e: SessionError) -> JSONResponse:
         return JSONResponse({"error": e.message}, status_code=e.status, headers={"x-smg-error-code": e.code})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        """Unrouted paths and methods (404/405) in our error shape, not FastAPI's `{"detail": ...}`."""
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "invalid_request")
+        return JSONResponse(
+            {"error": str(e.detail)}, status_code=e.status_code, headers={**(e.headers or {}), "x-smg-error-code": code}
+        )
 
     @app.exception_handler(ClientDisconnect)
     async def _on_client_gone(_: Request, e: ClientDisconnect) -> Response:

@@ -235,3 +235,55 @@ def test_message_object_and_its_stream_through_the_official_client() -> None:
     assert text == "Hi"
     assert final.stop_reason == "tool_use" and final.usage.output_tokens == 5
     assert final.content[1].type == "tool_use" and final.content[1].input == {"q": "he"}
+
+
+@pytest.mark.parametrize(
+    ("choice", "chat_choice"),
+    [
+        ("none", "none"),
+        ("auto", "auto"),
+        ("required", "required"),
+        ({"type": "function", "name": "lookup"}, {"type": "function", "function": {"name": "lookup"}}),
+    ],
+)
+def test_responses_tool_choice_becomes_the_chat_one(choice: Any, chat_choice: Any) -> None:
+    body = {"input": "hi", "tools": [{"type": "function", "name": "lookup"}], "tool_choice": choice}
+    chat = responses_to_chat({**body, "parallel_tool_calls": False})
+    assert chat["tool_choice"] == chat_choice and chat["parallel_tool_calls"] is False
+    assert "tool_choice" not in responses_to_chat({"input": "hi"})
+
+
+@pytest.mark.parametrize(
+    ("choice", "chat_fields"),
+    [
+        ({"type": "auto"}, {"tool_choice": "auto"}),
+        ({"type": "any"}, {"tool_choice": "required"}),
+        ({"type": "none"}, {"tool_choice": "none"}),
+        (
+            {"type": "tool", "name": "lookup", "disable_parallel_tool_use": True},
+            {"tool_choice": {"type": "function", "function": {"name": "lookup"}}, "parallel_tool_calls": False},
+        ),
+    ],
+)
+def test_messages_tool_choice_becomes_the_chat_one(choice: dict[str, Any], chat_fields: dict[str, Any]) -> None:
+    body = {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "tool_choice": choice}
+    chat = messages_to_chat({**body, "tools": [{"name": "lookup", "input_schema": {"type": "object"}}]})
+    assert {k: chat[k] for k in chat_fields} == chat_fields
+    assert "parallel_tool_calls" in chat_fields or "parallel_tool_calls" not in chat
+
+
+@pytest.mark.parametrize("convert", ["responses", "messages"])
+@pytest.mark.parametrize("choice", [{"type": "allowed_tools"}, {"type": "tool"}, 3, {"type": "file_search"}])
+def test_a_tool_choice_chat_has_no_form_for_is_refused(convert: str, choice: Any) -> None:
+    with pytest.raises(ApiShapeError) as e:
+        if convert == "responses":
+            responses_to_chat({"input": "hi", "tool_choice": choice})
+        else:
+            messages_to_chat({"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "tool_choice": choice})
+    assert e.value.param == "tool_choice"
+
+
+def test_a_named_tool_choices_call_is_tool_use_in_messages() -> None:
+    # chat ends a named choice's call with "stop" (as OpenAI does); Anthropic says tool_use
+    assert chat_to_message(_completion(None, [CALL], finish="stop"))["stop_reason"] == "tool_use"
+    assert chat_to_message(_completion("hi", [], finish="stop"))["stop_reason"] == "end_turn"

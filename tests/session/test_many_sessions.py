@@ -86,7 +86,8 @@ async def _session(c: httpx.AsyncClient, sid: str, i: int, tok: Tokenizer, first
     messages: list[dict[str, Any]] = list(FIRST)
     replies = []
     for turn in range(TURNS):
-        r = await c.post(f"/sessions/{sid}/v1/chat/completions", json={"messages": messages, "max_tokens": MAX_TOKENS})
+        turn_body = {"messages": messages, "max_tokens": MAX_TOKENS, "logprobs": True}
+        r = await c.post(f"/sessions/{sid}/v1/chat/completions", json=turn_body)
         assert r.status_code == 200, r.text
         body = r.json()
         choice = body["choices"][0]
@@ -102,7 +103,7 @@ async def _session(c: httpx.AsyncClient, sid: str, i: int, tok: Tokenizer, first
     sampled: list[int] = []
     for (choice, completion_tokens), rec in zip(replies, records):
         ids = [int(t) for _, t in rec["output_logprobs"]]
-        entries = choice["logprobs"]["content"]  # the SessionRouter asks for log-probs on every chat turn
+        entries = choice["logprobs"]["content"]  # asked for by the client (the SessionRouter forces none)
         # What the client was told, token by token, is what the record holds: count, text and log-prob (floats
         # compared exactly: both are the replica's values), and the reply's text is the ids' decoding.
         assert len(ids) == completion_tokens == len(entries) and 0 < len(ids) <= MAX_TOKENS

@@ -130,7 +130,8 @@ async def test_whitelist_spoof_forced_body_and_precedence(client: httpx.AsyncCli
     assert headers["x-prompt-id"] == "9" and headers["x-request-id"] == "2" and headers["x-is-sticky"] == "true"
     assert "x-other" not in headers and headers["x-version-tag"] == "-1"
     assert headers["x-smg-tito-trajectory-id"] == "0"
-    assert body["stream"] is False and body["logprobs"] is True and body["top_logprobs"] == 1
+    # log-probs as the client asked for them (none forced: the router records the sampled ones by itself)
+    assert body["stream"] is False and "logprobs" not in body and body["top_logprobs"] == 5
     # the next turn replays the instance and the version the first one got (-1 became 3)
     await _turn(client, sid, {"x-base-worker-id": "client-choice"})
     headers, _ = mock.last()
@@ -260,8 +261,15 @@ async def test_streaming_reply_is_built_from_the_buffered_result(client: httpx.A
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
-    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "hello"
-    assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and chunks[-1]["usage"]["total_tokens"] == 10
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "hello"
+    # as OpenAI and vLLM send it: the finish chunk, then the usage alone on a chunk without choices
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop" and "usage" not in chunks[-2]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 10
+    r = await _turn(client, sid, stream=True)
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop" and all("usage" not in c for c in chunks)
+    r = await _turn(client, sid, stream=True, stream_options={"include_usage": "yes"})
+    assert r.status_code == 400 and "include_usage" in r.json()["error"]
 
 
 async def test_errors_count_tokens_and_catch_all(client: httpx.AsyncClient, mock: MockRouter) -> None:

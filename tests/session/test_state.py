@@ -97,14 +97,17 @@ def test_sse_from_a_buffered_result() -> None:
         ],
         "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
     }
-    events = chat_sse_events(result)
+    events = chat_sse_events(result, include_usage=True)
     assert events[-1] == "data: [DONE]\n\n"
     chunks = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+    usage = chunks.pop()  # asked for: alone on a last chunk without choices, as OpenAI sends it
+    assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 3
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert deltas[0]["role"] == "assistant"
     assert deltas[1] == {"reasoning_content": "think"} and deltas[2] == {"content": "hi"}
     assert deltas[3]["tool_calls"][0]["index"] == 0 and deltas[3]["tool_calls"][0]["function"]["name"] == "f"
-    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls" and chunks[-1]["usage"]["total_tokens"] == 3
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls" and "usage" not in chunks[-1]
+    assert all("usage" not in json.loads(e[len("data: ") :]) for e in chat_sse_events(result)[:-1])  # not asked
 
 
 def test_trajectory_keys_parse_as_the_router_does() -> None:

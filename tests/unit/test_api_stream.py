@@ -89,7 +89,8 @@ async def test_the_end_of_turn_tokens_log_prob_stays_on_the_text(tok: Tokenizer)
 @pytest.mark.parametrize("per_delta", [1, 3, 1000])
 async def test_text_log_probs_are_the_text_tokens_however_the_deltas_group_them(tok: Tokenizer, per_delta: int) -> None:
     """Reasoning and call tokens carry none; each content token's log-prob (whitespace dropped at a seam
-    included) goes with the text, in order, also when a delta holds the end of a call and the next text."""
+    included) goes with the text, in order, also when a delta holds the end of a call and the next text. The
+    text is as sampled, the newlines after the think block included (as vLLM keeps them)."""
     parts = ["<think>\nhm\n</think>\n\n", "Answer.", '<tool_call>{"name": "a"}</tool_call>', "\nBye."]
     ids_of = [tok.encode(p) for p in parts]
     ids = [t for p in ids_of for t in p]
@@ -114,7 +115,7 @@ async def test_text_log_probs_are_the_text_tokens_however_the_deltas_group_them(
     events = api_stream(Grouped(ids), text, parser, ResponsesWriter(START), logprobs, "r")
     frames = [f.decode() async for f in events]
     texts = _payloads(frames, "response.output_text.done")
-    assert [t["text"] for t in texts] == ["Answer.", "\nBye."]
+    assert [t["text"] for t in texts] == ["\n\nAnswer.", "\nBye."]
     assert [int(lp["token"]) for t in texts for lp in t["logprobs"]] == text_ids
 
 
@@ -158,11 +159,11 @@ async def test_reasoning_streams_as_a_reasoning_item_before_the_message(tok: Tok
     reasoning = kinds[kinds.index("response.output_item.added") : kinds.index("response.output_item.done") + 1]
     assert reasoning[:2] == ["response.output_item.added", "response.content_part.added"]
     assert reasoning[-3:] == ["response.reasoning_text.done", "response.content_part.done", "response.output_item.done"]
-    assert "".join(d["delta"] for d in _payloads(frames, "response.reasoning_text.delta")) == "weigh it"
+    assert "".join(d["delta"] for d in _payloads(frames, "response.reasoning_text.delta")) == "\nweigh it\n"
     client = openai.OpenAI(
         api_key="x", base_url="http://t/v1", http_client=httpx.Client(transport=_transport(frames, httpx))
     )
     with client.responses.stream(model="tiny", input="hi") as stream:
         final = stream.get_final_response()
-    assert [o.type for o in final.output] == ["reasoning", "message"] and final.output_text == "Answer."
-    assert final.output[0].content[0].text == "weigh it"
+    assert [o.type for o in final.output] == ["reasoning", "message"] and final.output_text == "\n\nAnswer."
+    assert final.output[0].content[0].text == "\nweigh it\n"

@@ -128,3 +128,36 @@ async def test_a_completion_stream_of_two_choices(tok: Tokenizer) -> None:
         for c in json.loads(frame[6:])["choices"]:
             texts[c["index"]] += c["text"]
     assert texts == {0: "One.", 1: "Three"}
+
+
+async def test_stream_usage_comes_only_when_asked_and_per_choice_with_continuous_stats(tok: Tokenizer) -> None:
+    """As vLLM streams it: no usage unless include_usage, then alone on a last `choices: []` event; with
+    continuous_usage_stats each event also carries its own choice's usage so far."""
+    gens = [
+        Generation(output_ids=tok.encode("One two three"), finish_reason="length", prompt_tokens=5),
+        Generation(output_ids=tok.encode("Four"), finish_reason="length", prompt_tokens=5),
+    ]
+    envelope = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+
+    async def events(**usage: bool) -> list[dict]:
+        choices = [
+            ChatChoice(i, StreamedText(tok, SamplingSpec()), NoToolParser().stream(), tok, False) for i in (0, 1)
+        ]
+        frames = [
+            f.decode().strip()
+            async for f in sse_stream(_Interleaved(gens), choices, envelope=envelope, prompt_tokens=5, **usage)
+        ]
+        return [json.loads(f[6:]) for f in frames if f != "data: [DONE]"]
+
+    assert all("usage" not in e for e in await events())
+    asked = await events(include_usage=True)
+    assert all("usage" not in e for e in asked[:-1]) and asked[-1]["choices"] == []
+    assert asked[-1]["usage"]["completion_tokens"] == sum(len(g.output_ids) for g in gens)
+    every = await events(include_usage=True, continuous_usage=True)
+    for e in every[:-1]:
+        [choice] = e["choices"]
+        produced = e["usage"]["completion_tokens"]
+        assert e["usage"]["prompt_tokens"] == 5 and e["usage"]["total_tokens"] == 5 + produced
+        assert 0 <= produced <= len(gens[choice["index"]].output_ids)
+        if choice["finish_reason"]:
+            assert produced == len(gens[choice["index"]].output_ids)

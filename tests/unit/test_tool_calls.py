@@ -60,9 +60,20 @@ def test_content_before_between_and_after_calls() -> None:
     assert out.content == "Let me check.\nand also\nDone."
 
 
-def test_plain_text_is_stripped_content() -> None:
-    assert _parser().parse("  Hello there.\n") == ParsedOutput(content="Hello there.")
-    assert _parser().parse("  \n") == ParsedOutput(content=None)
+def test_a_reply_without_calls_is_its_content_as_sampled() -> None:
+    # vLLM's hermes parser returns such text verbatim: a re-tokenizer gets back the ids the model sampled.
+    assert _parser().parse(" astersaus") == ParsedOutput(content=" astersaus")
+    assert _parser().parse("  Hello there.\n") == ParsedOutput(content="  Hello there.\n")
+    assert _parser().parse("  \n") == ParsedOutput(content="  \n")
+    assert _parser().parse("") == ParsedOutput(content=None)
+    bad = " <tool_call>\n{oops}\n</tool_call> "  # no call in it: verbatim too
+    assert _parser().parse(bad) == ParsedOutput(content=bad)
+
+
+def test_only_the_separator_next_to_a_call_is_dropped() -> None:
+    out = _parser().parse(f"  Let me check.\n{_block('a', {})}")
+    assert out.content == "  Let me check." and [n for n, _ in _names_and_args(out)] == ["a"]
+    assert _parser().parse(f" \n{_block('a', {})}\n").content is None
     assert _parser().parse("") == ParsedOutput(content=None)
 
 
@@ -111,10 +122,12 @@ def test_unterminated_final_block_stays_content() -> None:
 def test_think_block_becomes_reasoning_content() -> None:
     text = f"<think>\nThe user wants weather.\n<tool_call>not a call</tool_call>\n</think>\n\n{_block('w', {})}"
     out = _parser().parse(text)
-    assert out.reasoning_content == "The user wants weather.\n<tool_call>not a call</tool_call>"
+    assert out.reasoning_content == "\nThe user wants weather.\n<tool_call>not a call</tool_call>\n"
     assert _names_and_args(out) == [("w", {})]
     assert out.content is None
     assert _parser().parse("<think></think>Hi") == ParsedOutput(content="Hi")
+    # What follows the block is as sampled, as vLLM's reasoning parsers leave it.
+    assert _parser().parse("<think>\nr\n</think>\n\nHi ") == ParsedOutput("\n\nHi ", reasoning_content="\nr\n")
 
 
 def test_think_only_counts_when_leading_and_closed() -> None:
@@ -218,6 +231,12 @@ STREAM_TEXTS = [
     f"<think>\nplan\n</think>\n\nHello\n{_block('a', {})}",
     f"<think>x {_block('a', {})}",
     f"<think>{_block('a', {})}</think>{_block('b', {})}",
+    " astersaus and more ",
+    "\n\nHello\n",
+    f"  Lead \n{_block('a', {})}  ",
+    "<think> r </think>  ",
+    "  ",
+    " <tool_call>\n{oops}\n</tool_call> tail ",
 ]
 
 
@@ -249,7 +268,7 @@ def test_streaming_gives_the_same_message_however_the_text_is_cut(text: str) -> 
     content, reasoning, calls = whole
     if parsed.reasoning_content is None and reasoning:  # a think block never closed: reasoning while it streamed
         assert text.lstrip().startswith("<think>") and "</think>" not in text and content == "" and calls == []
-        assert reasoning == text.strip().removeprefix("<think>").strip()
+        assert reasoning == text.lstrip().removeprefix("<think>")
     else:  # exactly what the whole text parses to
         assert reasoning == (parsed.reasoning_content or "") and content == (parsed.content or "")
         assert calls == parsed.tool_calls
@@ -270,9 +289,16 @@ def test_streamed_content_comes_out_before_the_generation_ends() -> None:
 
 def test_streamed_reasoning_comes_out_as_it_is_generated() -> None:
     stream = _parser().stream()
-    assert stream.push("<thi") == [] and stream.push("nk>\nstep one") == [StreamPiece("reasoning", "step one")]
+    assert stream.push("<thi") == [] and stream.push("nk>\nstep one") == [StreamPiece("reasoning", "\nstep one")]
     assert stream.push(", two</th") == [StreamPiece("reasoning", ", two")]
-    assert stream.push("ink>\n\nAnswer") == [StreamPiece("content", "Answer")]
+    assert stream.push("ink>\n\nAnswer") == [StreamPiece("content", "\n\nAnswer")]
+
+
+def test_streamed_content_keeps_its_whitespace() -> None:
+    stream = _parser().stream()
+    assert stream.push(" aster") == [StreamPiece("content", " aster")]
+    assert stream.push("saus \n") == [StreamPiece("content", "saus")]  # may be the separator before a call
+    assert stream.finish() == [StreamPiece("content", " \n")]  # it was not: the reply ends as sampled
 
 
 def test_what_a_think_block_holds_is_reasoning_whatever_its_tags() -> None:

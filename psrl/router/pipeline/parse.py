@@ -9,6 +9,7 @@ from typing import Any
 
 from psrl.router.errors import BadRequest, PayloadTooLarge
 from psrl.router.pipeline.context import SamplingSpec
+from psrl.router.pipeline.tool_choice import ConstrainedSampling, ToolChoice, hermes_structural_tag, parse_tool_choice
 from psrl.serving import JsonBodyError, loads_bounded
 from psrl.tokenizer import TEMPLATE_CALL_ARGS, lone_surrogate_at
 
@@ -122,7 +123,7 @@ def get_str(body: dict[str, Any], name: str, default: str | None) -> str | None:
 
 
 def get_token_ids(value: Any, name: str) -> list[int]:
-    """Validated in C: array('I') refuses non-integers and anything outside [0, 2**32)."""
+    """Validated in C: array('I') refuses non-integers and anything outside [0, 2**32), the type scan booleans."""
     if not isinstance(value, list):
         raise BadRequest(f"'{name}' must be a list of integer token ids", param=name)
     try:
@@ -131,6 +132,8 @@ def get_token_ids(value: Any, name: str) -> list[int]:
         raise BadRequest(f"'{name}' must be a list of integer token ids", param=name) from None
     except OverflowError:
         raise BadRequest(f"'{name}' holds a negative or too large token id", param=name) from None
+    if bool in map(type, value):  # array('I') takes true/false as 1/0; protobuf refuses them
+        raise BadRequest(f"'{name}' must be a list of integer token ids, got a boolean", param=name)
     return value
 
 
@@ -218,13 +221,16 @@ def _top_k(body: dict[str, Any]) -> int:
     return top_k
 
 
-def _include_usage(body: dict[str, Any]) -> bool:
+def _stream_usage(body: dict[str, Any]) -> tuple[bool, bool]:
+    """`stream_options` as vLLM reads them: (include_usage, continuous_usage_stats), the second only with the
+    first (usage on every chunk as well as the final `choices: []` one)."""
     options = _present(body, "stream_options")
     if options is _MISSING:
-        return False
+        return False, False
     if not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", param="stream_options")
-    return get_bool(options, "include_usage", False)
+    include = get_bool(options, "include_usage", False)
+    return include, include and get_bool(options, "continuous_usage_stats", False)
 
 
 # ---- OpenAI chat ----------------------------------------------------------------------------------------
@@ -241,6 +247,9 @@ class ChatRequest:
     logprobs: bool
     add_generation_prompt: bool = True
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage)
+    # `tools` holds what the template offers and the parser looks for: none for tool_choice "none".
+    tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice("auto"))
 
 
 def _message_content(message: dict[str, Any], index: int) -> str:
@@ -311,6 +320,11 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
         tools = None
     elif not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise BadRequest("'tools' must be a list of objects", param="tools")
+    tool_choice = parse_tool_choice(body.get("tool_choice"), tools)
+    if tool_choice.forces_call:
+        assert tools is not None  # parse_tool_choice refuses a forced call without tools
+        parallel = get_bool(body, "parallel_tool_calls", True)
+        sampling = ConstrainedSampling.of(sampling, hermes_structural_tag(tool_choice, tools, parallel))
     kwargs = _present(body, "chat_template_kwargs")
     if kwargs is _MISSING:
         kwargs = {}
@@ -327,16 +341,19 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
     # Every string the template may render (content, parts, tool arguments, names, tools, template variables).
     for name, value in (("messages", body["messages"]), ("tools", tools), ("chat_template_kwargs", kwargs)):
         check_json_text(value, name)
+    include_usage, continuous_usage = _stream_usage(body)
     return ChatRequest(
         model=get_str(body, "model", None),
         messages=messages,
-        tools=tools,
+        tools=None if tool_choice.mode == "none" else tools,
         sampling=sampling,
         stream=get_bool(body, "stream", False),
-        include_usage=_include_usage(body),
+        include_usage=include_usage,
         logprobs=logprobs,
         add_generation_prompt=get_bool(body, "add_generation_prompt", True),
         template_kwargs=kwargs,
+        continuous_usage=continuous_usage,
+        tool_choice=tool_choice,
     )
 
 
@@ -350,6 +367,7 @@ class CompletionRequest:
     sampling: SamplingSpec
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False
 
 
 def parse_completion(body: dict[str, Any]) -> CompletionRequest:
@@ -375,12 +393,14 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
     stream = get_bool(body, "stream", False)
     if stream and len(prompts) > 1:
         raise BadRequest("streaming supports one prompt per request", param="prompt")
+    include_usage, continuous_usage = _stream_usage(body)
     return CompletionRequest(
         model=get_str(body, "model", None),
         prompts=prompts,
         sampling=sampling,
         stream=stream,
-        include_usage=_include_usage(body),
+        include_usage=include_usage,
+        continuous_usage=continuous_usage,
     )
 
 

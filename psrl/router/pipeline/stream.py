@@ -51,24 +51,42 @@ async def sse_stream(
     *,
     envelope: dict[str, Any],
     include_usage: bool = False,
+    continuous_usage: bool = False,
+    prompt_tokens: int = 0,
 ) -> AsyncIterator[bytes]:
-    def event(ch: dict[str, Any]) -> bytes:
-        return R.sse({**envelope, "choices": [ch]})
+    """The SSE events of a started generation, then `[DONE]`. As OpenAI and vLLM send them: the usage comes
+    only with `include_usage`, as a last event of its own with `choices: []`; with `continuous_usage` (vLLM's
+    `continuous_usage_stats`) every event also carries its choice's usage so far (`prompt_tokens`: the
+    prompt's length)."""
+    generated = [0] * len(choices)  # tokens each choice has produced so far
+
+    def event(index: int, ch: dict[str, Any]) -> bytes:
+        payload = {**envelope, "choices": [ch]}
+        if continuous_usage:
+            completion = generated[index]
+            payload["usage"] = {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion,
+            }
+        return R.sse(payload)
 
     try:
-        for writer in choices:
+        for i, writer in enumerate(choices):
             for ch in writer.opening():
-                yield event(ch)
+                yield event(i, ch)
         finished: dict[int, Generation] = {}  # by choice index: usage reads choice 0, as the non-streamed answer
         async for d in source.deltas():
             writer = choices[d.index]
             if d.finished is None:
+                generated[d.index] += len(d.token_ids)
                 for ch in writer.delta(d):
-                    yield event(ch)
+                    yield event(d.index, ch)
             else:
                 finished[d.index] = d.finished
+                generated[d.index] = d.finished.completion_tokens
                 for ch in writer.finish(d.finished):
-                    yield event(ch)
+                    yield event(d.index, ch)
         if include_usage:
             yield R.sse({**envelope, "choices": [], "usage": R.usage([finished[i] for i in sorted(finished)])})
     except RouterError as e:  # headers are sent: the error travels as an SSE event
@@ -81,12 +99,21 @@ class ChatChoice:
     """A streamed chat choice: content, reasoning and tool-call deltas as the parser finds them; with `logprobs`
     every sampled token's log-prob, also of text held back or parsed into a call."""
 
-    def __init__(self, index: int, text: StreamedText, parser: ToolCallStream, tok: Tokenizer, logprobs: bool) -> None:
+    def __init__(
+        self,
+        index: int,
+        text: StreamedText,
+        parser: ToolCallStream,
+        tok: Tokenizer,
+        logprobs: bool,
+        named_tool: bool = False,
+    ) -> None:
         self._index = index
         self._text = text
         self._parser = parser
         self._tok = tok
         self._logprobs = logprobs
+        self._named_tool = named_tool  # the request named the tool to call: its finish_reason stays "stop"
         self._calls = 0
 
     def _chunk(self, delta: dict[str, Any]) -> dict[str, Any]:
@@ -114,7 +141,7 @@ class ChatChoice:
     def finish(self, gen: Generation) -> list[dict[str, Any]]:
         choices = self._pieces(self._parser.finish(self._text.finish(gen)))
         closing = self._chunk({})
-        closing["finish_reason"] = R.chat_finish_reason(self._calls > 0, gen.finish_reason)
+        closing["finish_reason"] = R.chat_finish_reason(self._calls > 0, gen.finish_reason, self._named_tool)
         closing["stop_reason"] = gen.stop_reason
         return [*choices, closing]
 

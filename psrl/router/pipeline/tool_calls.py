@@ -3,6 +3,11 @@ at once (`parse`), or as it streams (`StreamingHermesParser`).
 
 The `hermes` format (Qwen2.5/Qwen3 use it too): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`
 blocks, optionally after a leading `<think>...</think>` block. Pure: model output never makes it raise.
+
+Text is kept as the model sampled it, as vLLM keeps it: a reply without calls is its content verbatim, leading
+and trailing whitespace included, and reasoning is what the think block holds. Only the whitespace that joins
+content to a call is dropped (the chat template writes that separator itself when the reply is sent back, so
+the echoed reply renders to the sampled text), and content resuming after a call is joined with "\\n".
 """
 
 from __future__ import annotations
@@ -63,7 +68,9 @@ def new_tool_call_id() -> str:
 def split_reasoning(text: str) -> tuple[str | None, str]:
     """(reasoning, rest) for a text that opens with a complete `<think>...</think>` block; else (None, text).
 
-    An unterminated think block (cut at max_tokens) is left in the text, like an unterminated tool call.
+    Whitespace before the block goes with it; the reasoning and the rest are verbatim, as vLLM's reasoning
+    parsers leave them. An unterminated think block (cut at max_tokens) is left in the text, like an
+    unterminated tool call.
     """
     body_start = len(text) - len(text.lstrip())
     if not text.startswith(THINK_START, body_start):
@@ -72,7 +79,7 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
     end = text.find(THINK_END, body_start)
     if end < 0:
         return None, text
-    return text[body_start:end].strip() or None, text[end + len(THINK_END) :]
+    return text[body_start:end] or None, text[end + len(THINK_END) :]
 
 
 def _tool_call_from_json(body: str, new_id: Callable[[], str]) -> dict[str, Any] | None:
@@ -97,7 +104,9 @@ def _tool_call_from_json(body: str, new_id: Callable[[], str]) -> dict[str, Any]
 
 
 def _join_content(pieces: list[str]) -> str | None:
-    kept = [p.strip() for p in pieces]
+    """The content around parsed calls (`pieces[i]` ends where call i starts): the first piece keeps its leading
+    whitespace, and the whitespace next to a call goes (the template's separator)."""
+    kept = [pieces[0].rstrip(), *(p.strip() for p in pieces[1:])]
     return "\n".join(p for p in kept if p) or None
 
 
@@ -110,7 +119,7 @@ class HermesToolParser:
     def parse(self, text: str) -> ParsedOutput:
         reasoning, rest = split_reasoning(text)
         if TOOL_CALL_START not in rest:
-            return ParsedOutput(content=rest.strip() or None, reasoning_content=reasoning)
+            return ParsedOutput(content=rest or None, reasoning_content=reasoning)
         calls: list[dict[str, Any]] = []
         pieces: list[str] = []
         kept_from = 0  # start of the text not yet consumed by a parsed call
@@ -123,6 +132,8 @@ class HermesToolParser:
             pieces.append(rest[kept_from : match.start()])
             kept_from = match.end()
             calls.append(call)
+        if not calls:  # blocks that are no calls stay content, and so the text is as sampled
+            return ParsedOutput(content=rest or None, reasoning_content=reasoning)
         pieces.append(rest[kept_from:])
         return ParsedOutput(content=_join_content(pieces), tool_calls=calls, reasoning_content=reasoning)
 
@@ -142,10 +153,11 @@ class StreamPiece:
 
 class StreamingHermesParser:
     """HermesToolParser for a stream: text goes in as it is decoded, pieces come out as soon as they are
-    certain. Content and reasoning stream through, holding back only what could be the start of a marker and
-    trailing whitespace (sent once more text follows it, dropped at a marker or the end); a tool call comes
-    out whole when its `</tool_call>` arrives (a malformed or cut-off block comes out as content, verbatim).
-    Content that resumes after a call starts with the "\n" `parse` joins such content with.
+    certain. Content and reasoning stream through as generated, holding back only what could be the start of a
+    marker and, in content, trailing whitespace (sent once more content follows it or the generation ends
+    without a call; dropped at a call, as the separator `parse` drops); a tool call comes out whole when its
+    `</tool_call>` arrives (a malformed or cut-off block comes out as content, verbatim). Content that resumes
+    after a call starts with the "\n" `parse` joins such content with, its leading whitespace dropped.
 
     So the pieces add up to what `parse` makes of the whole text, except for a `<think>` block that is never
     closed: all of it streams as reasoning, a `<tool_call>` in it included, as vLLM's streaming reasoning
@@ -157,13 +169,18 @@ class StreamingHermesParser:
         self._new_id = id_factory
         self._buf = ""
         self._state: Literal["start", "reasoning", "content", "call"] = "start"
-        self._strip = True  # drop whitespace before the next content or reasoning text
-        self._ws = ""  # trailing whitespace of the text sent so far, held until more text of its kind follows
+        self._strip = False  # drop whitespace before the next content (after a call: the separator)
+        self._ws = ""  # trailing whitespace of the content sent so far, held until more content follows
         self._content_sent = False
+        self._called = False  # a call was parsed: held whitespace at the end is a separator too
         self._after_call = False  # content resuming now follows a call: it starts with "\n"
         self._scanned = 0  # call state: how much of the buffer is known to hold no end marker
 
     def _text(self, kind: Literal["content", "reasoning"], text: str, out: list[StreamPiece]) -> None:
+        if kind == "reasoning":
+            if text:
+                out.append(StreamPiece("reasoning", text))
+            return
         if self._strip:
             text = text.lstrip()
             self._strip = not text
@@ -172,11 +189,11 @@ class StreamingHermesParser:
             self._ws += text
             return
         lead = self._ws
-        if kind == "content" and self._after_call:
+        if self._after_call:
             lead, self._after_call = "\n", False
         out.append(StreamPiece(kind, lead + body))
         self._ws = text[len(body) :]
-        self._content_sent = self._content_sent or kind == "content"
+        self._content_sent = True
 
     def _until(self, kind: Literal["content", "reasoning"], markers: tuple[str, ...], out: list[StreamPiece]) -> bool:
         """Stream the buffer as `kind` up to the first of `markers`: True with the marker left at the buffer's
@@ -207,7 +224,7 @@ class StreamingHermesParser:
                 if not self._until("reasoning", (THINK_END,), out):
                     break
                 self._buf = self._buf[len(THINK_END) :]
-                self._state, self._ws, self._strip = "content", "", True
+                self._state = "content"
             elif self._state == "content":
                 if not self._until("content", (TOOL_CALL_START,), out):
                     break
@@ -224,7 +241,7 @@ class StreamingHermesParser:
                     self._text("content", block, out)
                 else:
                     out.append(StreamPiece("tool_call", call=call))
-                    self._ws, self._strip, self._after_call = "", True, self._content_sent
+                    self._ws, self._strip, self._after_call, self._called = "", True, self._content_sent, True
         return out
 
     def finish(self, text: str = "") -> list[StreamPiece]:
@@ -233,6 +250,9 @@ class StreamingHermesParser:
         kind: Literal["content", "reasoning"] = "reasoning" if self._state == "reasoning" else "content"
         self._text(kind, self._buf, out)
         self._buf = ""
+        if self._ws and not self._called:  # a reply without calls keeps its trailing whitespace
+            out.append(StreamPiece("content", self._ws))
+        self._ws = ""
         return out
 
 
