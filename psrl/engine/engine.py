@@ -12,6 +12,11 @@ Prefix caching (on by default, like vLLM v1): full blocks are shared between req
 prefix; see prefix_cache.py. With `kv_events_enabled` on, the cache's changes are recorded as KV events
 for `drain_kv_events()`.
 
+Routed experts (a Qwen2-MoE config): a request whose sampling sets `routed_experts_prompt_start` records the
+top-k expert ids of every MoE layer for each position it feeds from there on, and its finished output (stop,
+length or abort) carries them, as vLLM's routed experts. Positions it must report are computed here, never
+taken from the prefix cache or migrated KV (Request.kv_reuse_limit), so every row is this engine's own.
+
 Weight syncs: `close_admission` refuses new requests (AdmissionClosedError), `freeze` stops scheduling
 without touching any request's state (a frozen step only hands out pending abort outputs),
 `abort_all_for_sync` ends every request and reports what each had produced, calling `on_sync_abort` for
@@ -28,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from psrl.engine.batch import build_paged_batch
@@ -49,6 +55,7 @@ from psrl.engine.kv_events import KvEvent
 from psrl.engine.model import Qwen2Model
 from psrl.engine.prefix_cache import BlockPool
 from psrl.engine.request import Request, RequestOutput, RequestStatus
+from psrl.engine.routing import RoutingRecorder, expert_id_dtype
 from psrl.engine.sampler import Sampler, SampleResult, SamplingOptions
 from psrl.engine.scheduler import ScheduledChunk, Scheduler
 from psrl.engine.stop_strings import StopStringDetector
@@ -240,7 +247,13 @@ class Engine:
             skip = sampling.skip_special_tokens
             detector = StopStringDetector(self.tokenizer, sampling.stop, skip_special_tokens=skip)
         request = Request(
-            request_id, prompt, sampling, max_total, stop_detector=detector, pin_on_sync_abort=pin_on_sync_abort
+            request_id,
+            prompt,
+            sampling,
+            max_total,
+            stop_detector=detector,
+            pin_on_sync_abort=pin_on_sync_abort,
+            routing=self._routing_recorder(request_id, len(prompt), sampling),
         )
         if preloaded is not None:
             self._check_preloaded(request, preloaded)
@@ -257,6 +270,20 @@ class Engine:
             if preloaded is not None:
                 self._preload_locked(request, preloaded)
             self._scheduler.add(request)
+
+    def _routing_recorder(self, request_id: str, prompt_len: int, sampling: SamplingOptions) -> RoutingRecorder | None:
+        """The recorder of a request that asks for its routed experts; None when it does not ask or the model has
+        no MoE layers (vLLM ignores the start then too)."""
+        start = sampling.routed_experts_prompt_start
+        mc = self.model_config
+        if start is None or not mc.is_moe:
+            return None
+        if start > prompt_len:  # vLLM's rule and words
+            raise InvalidRequestError(
+                f"request {request_id!r}: routed_experts_prompt_start must be between 0 and prompt_len "
+                f"({prompt_len}), got {start}"
+            )
+        return RoutingRecorder(start, len(mc.moe_layers), mc.num_experts_per_tok, expert_id_dtype(mc.num_experts))
 
     def _check_sampling(self, request_id: str, sampling: SamplingOptions) -> None:
         """What SamplingOptions.validate cannot tell alone: limits of this engine and its vocabulary."""
@@ -297,6 +324,16 @@ class Engine:
             )
 
     def _preload_locked(self, request: Request, kv: PreloadedKV) -> None:
+        limit = request.kv_reuse_limit
+        if kv.num_tokens > limit:
+            # Routing to report for positions the KV covers: keep the whole blocks before them, compute the rest.
+            block_size = self.cache_config.block_size
+            keep = limit // block_size
+            self._pool.free(kv.block_ids[keep:])
+            if keep == 0:
+                return
+            n = keep * block_size
+            kv = PreloadedKV(kv.block_ids[:keep], n, None if kv.token_ids is None else kv.token_ids[:n])
         request.block_ids = list(kv.block_ids)
         request.num_computed_tokens = kv.num_tokens
         request.num_cached_tokens = kv.num_tokens  # reported like a prefix-cache hit: not prefilled here
@@ -362,6 +399,7 @@ class Engine:
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_cached_tokens=max(req.num_cached_tokens, 0),
                 num_output_tokens=req.num_output_tokens,
+                routed_experts=req.routed_experts(),
             )
         )
 
@@ -618,18 +656,21 @@ class Engine:
                 sampling_chunks = [c for c in chunks if c.samples]
                 options = [c.request.sampling for c in sampling_chunks]
                 generators = [c.request.generator for c in sampling_chunks]
+                # Only a step with a request recording its routing keeps the experts the MoE layers chose.
+                routing: list[torch.Tensor] | None = [] if any(c.request.routing is not None for c in chunks) else None
                 self._forward_in_flight = True
             model = self._model
             try:
                 with torch.inference_mode():
-                    logits = model.forward_paged(batch, self.kv_cache.layers)
+                    logits = model.forward_paged(batch, self.kv_cache.layers, routing=routing)
                     sampled = self._sampler.sample(logits, options, generators) if options else None
+                routed = _routing_rows(routing, self.model_config.num_experts)
             except Exception as exc:
                 raise EngineStepError(self._fail_chunks(chunks), exc) from exc  # its frees wait for the forward
             finally:
                 self._end_forward()
             with self._lock:
-                return self._take_pending_outputs() + self._update(chunks, sampled)
+                return self._take_pending_outputs() + self._update(chunks, sampled, routed)
 
     def _end_forward(self) -> None:
         with self._lock:
@@ -654,15 +695,24 @@ class Engine:
                     failed.append(req.request_id)
         return failed
 
-    def _update(self, chunks: list[ScheduledChunk], sampled: SampleResult | None) -> list[RequestOutput]:
+    def _update(
+        self, chunks: list[ScheduledChunk], sampled: SampleResult | None, routed: np.ndarray | None = None
+    ) -> list[RequestOutput]:
+        """`routed`: the step's top-k expert ids [batch rows, num_moe_layers, top_k], when a request records them."""
         outputs: list[RequestOutput] = []
         row = -1
+        first = 0  # the chunk's first row in the flattened batch (build_paged_batch's order)
         for chunk in chunks:
             req = chunk.request
+            rows = slice(first, first + chunk.num_tokens)
+            first += chunk.num_tokens
             if chunk.samples:
                 row += 1
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the forward ran: its abort output is already queued
+            if req.routing is not None:
+                assert routed is not None
+                req.routing.write(chunk.start, routed[rows])
             req.num_computed_tokens = chunk.start + chunk.num_tokens
             self.num_prompt_tokens_computed += max(0, min(req.num_computed_tokens, req.num_prompt_tokens) - chunk.start)
             self._scheduler.cache_computed_blocks(req)
@@ -689,6 +739,7 @@ class Engine:
                     num_cached_tokens=max(req.num_cached_tokens, 0),
                     num_output_tokens=req.num_output_tokens,
                     matched_stop_str=matched_str,
+                    routed_experts=req.routed_experts() if finish_reason is not None else None,
                 )
             )
             if finish_reason is not None:
@@ -765,6 +816,13 @@ class Engine:
                 prefix_cache_queries=self._scheduler.prefix_cache_queries,
                 prefix_cache_hits=self._scheduler.prefix_cache_hits,
             )
+
+
+def _routing_rows(routing: list[torch.Tensor] | None, num_experts: int) -> np.ndarray | None:
+    """The MoE layers' expert ids of one step as one array [rows, num_moe_layers, top_k] (vLLM's dtype)."""
+    if not routing:
+        return None
+    return torch.stack(routing, dim=1).cpu().numpy().astype(expert_id_dtype(num_experts))
 
 
 @dataclass(frozen=True)

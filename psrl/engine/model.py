@@ -1,7 +1,9 @@
 """Qwen2-style decoder-only transformer: a plain causal reference path and the paged-KV path the engine runs.
 
 Weights are held under Hugging Face Qwen2 names (so a safetensors file is interchangeable with real
-checkpoints); q/k/v and gate/up are fused once at load time for the hot path.
+checkpoints); q/k/v and gate/up are fused once at load time for the hot path. A config with experts makes it a
+Qwen2-MoE (HF's and vLLM's `Qwen2MoeForCausalLM`, same tensor names): both forward paths can then report each
+token's top-k expert ids per MoE layer (`routing`), what vLLM returns as routed experts.
 """
 
 from __future__ import annotations
@@ -41,16 +43,40 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.v_proj.weight": (kv_out, h),
                 p + "self_attn.v_proj.bias": (kv_out,),
                 p + "self_attn.o_proj.weight": (h, q_out),
-                p + "mlp.gate_proj.weight": (config.intermediate_size, h),
-                p + "mlp.up_proj.weight": (config.intermediate_size, h),
-                p + "mlp.down_proj.weight": (h, config.intermediate_size),
                 p + "input_layernorm.weight": (h,),
                 p + "post_attention_layernorm.weight": (h,),
             }
         )
+        if config.is_sparse_layer(i):
+            shapes.update(_moe_shapes(config, p + "mlp."))
+        else:
+            shapes.update(_mlp_shapes(p + "mlp.", h, config.intermediate_size))
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes
+
+
+def _mlp_shapes(prefix: str, hidden: int, width: int) -> dict[str, tuple[int, ...]]:
+    return {
+        prefix + "gate_proj.weight": (width, hidden),
+        prefix + "up_proj.weight": (width, hidden),
+        prefix + "down_proj.weight": (hidden, width),
+    }
+
+
+def _moe_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """A Qwen2-MoE sparse block. The shared expert's gate is there even without a shared expert: vLLM's
+    Qwen2MoeSparseMoeBlock always has that weight, so its loader wants it in the checkpoint."""
+    h = config.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {
+        prefix + "gate.weight": (config.num_experts, h),
+        prefix + "shared_expert_gate.weight": (1, h),
+    }
+    for j in range(config.num_experts):
+        shapes.update(_mlp_shapes(f"{prefix}experts.{j}.", h, config.moe_intermediate_size))
+    if config.shared_expert_intermediate_size > 0:
+        shapes.update(_mlp_shapes(prefix + "shared_expert.", h, config.shared_expert_intermediate_size))
     return shapes
 
 
@@ -168,17 +194,41 @@ class PagedBatch:
     logits_index: torch.Tensor  # [S] rows whose next-token logits are needed
 
 
-class _Layer:
-    __slots__ = ("down", "gate_up", "in_norm", "o_proj", "post_norm", "qkv_b", "qkv_w")
+def _gate_up(sd: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    return torch.cat([sd[prefix + "gate_proj.weight"], sd[prefix + "up_proj.weight"]])
 
-    def __init__(self, sd: dict[str, torch.Tensor], i: int) -> None:
+
+class _Moe:
+    """One layer's sparse MoE block, experts' gate/up fused like the dense MLP's."""
+
+    __slots__ = ("downs", "gate_ups", "norm_topk", "router", "shared_down", "shared_gate", "shared_gate_up", "top_k")
+
+    def __init__(self, sd: dict[str, torch.Tensor], prefix: str, config: ModelConfig) -> None:
+        self.router = sd[prefix + "gate.weight"]
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk = config.norm_topk_prob
+        self.gate_ups = [_gate_up(sd, f"{prefix}experts.{j}.") for j in range(config.num_experts)]
+        self.downs = [sd[f"{prefix}experts.{j}.down_proj.weight"] for j in range(config.num_experts)]
+        self.shared_gate = sd[prefix + "shared_expert_gate.weight"]
+        self.shared_gate_up: torch.Tensor | None = None
+        self.shared_down: torch.Tensor | None = None
+        if config.shared_expert_intermediate_size > 0:
+            self.shared_gate_up = _gate_up(sd, prefix + "shared_expert.")
+            self.shared_down = sd[prefix + "shared_expert.down_proj.weight"]
+
+
+class _Layer:
+    __slots__ = ("down", "gate_up", "in_norm", "moe", "o_proj", "post_norm", "qkv_b", "qkv_w")
+
+    def __init__(self, sd: dict[str, torch.Tensor], i: int, config: ModelConfig) -> None:
         p = f"model.layers.{i}."
         a = p + "self_attn."
         self.qkv_w = torch.cat([sd[a + "q_proj.weight"], sd[a + "k_proj.weight"], sd[a + "v_proj.weight"]])
         self.qkv_b = torch.cat([sd[a + "q_proj.bias"], sd[a + "k_proj.bias"], sd[a + "v_proj.bias"]])
         self.o_proj = sd[a + "o_proj.weight"]
-        self.gate_up = torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
-        self.down = sd[p + "mlp.down_proj.weight"]
+        self.moe = _Moe(sd, p + "mlp.", config) if config.is_sparse_layer(i) else None
+        self.gate_up = None if self.moe is not None else _gate_up(sd, p + "mlp.")
+        self.down = None if self.moe is not None else sd[p + "mlp.down_proj.weight"]
         self.in_norm = sd[p + "input_layernorm.weight"]
         self.post_norm = sd[p + "post_attention_layernorm.weight"]
 
@@ -204,7 +254,7 @@ class Qwen2Model:
         self.embed = sd["model.embed_tokens.weight"]
         self.lm_head = sd["lm_head.weight"]
         self.final_norm = sd["model.norm.weight"]
-        self.layers = [_Layer(sd, i) for i in range(config.num_hidden_layers)]
+        self.layers = [_Layer(sd, i, config) for i in range(config.num_hidden_layers)]
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -270,9 +320,40 @@ class Qwen2Model:
         k = self._rope(k.reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
         return q, k, v.reshape(t, self.num_kv_heads, self.head_dim)
 
-    def _mlp_block(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(self._rms_norm(h, layer.post_norm), layer.gate_up).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, layer.down)
+    def _mlp_block(
+        self, layer: _Layer, h: torch.Tensor, n: int | None = None, routing: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """The MLP half of a layer. `n`: how many leading rows are real (the rest is padding, see padded_rows);
+        `routing`: where a MoE layer appends its rows' top-k expert ids [n, top_k]."""
+        x = self._rms_norm(h, layer.post_norm)
+        if layer.moe is not None:
+            return h + self._moe(layer.moe, x, h.shape[0] if n is None else n, routing)
+        assert layer.gate_up is not None and layer.down is not None
+        return h + _swiglu(x, layer.gate_up, layer.down)
+
+    def _moe(self, moe: _Moe, x: torch.Tensor, n: int, routing: list[torch.Tensor] | None) -> torch.Tensor:
+        """HF's Qwen2MoeSparseMoeBlock: softmax over the router's logits, the top-k experts (renormalized with
+        norm_topk_prob), each expert run once over the rows routed to it, plus the gated shared expert.
+
+        Only the `n` real rows are routed. Each expert's rows are padded like the batch (padded_rows), so a
+        token's output does not depend on which other tokens share its experts in this step."""
+        probs = torch.softmax(F.linear(x, moe.router)[:n], dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, moe.top_k, dim=-1)
+        if moe.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        if routing is not None:
+            routing.append(experts)
+        out = torch.zeros_like(x)
+        for e in torch.unique(experts).tolist():
+            rows, slots = torch.nonzero(experts == e, as_tuple=True)
+            m = rows.shape[0]
+            xe = F.pad(x[rows], (0, 0, 0, padded_rows(m) - m))
+            ye = _swiglu(xe, moe.gate_ups[e], moe.downs[e])[:m]
+            out.index_add_(0, rows, ye * weights[rows, slots].unsqueeze(-1))
+        if moe.shared_gate_up is not None and moe.shared_down is not None:
+            out = out + torch.sigmoid(F.linear(x, moe.shared_gate)) * _swiglu(x, moe.shared_gate_up, moe.shared_down)
+        return out
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return F.linear(self._rms_norm(h, self.final_norm), self.lm_head).float()
@@ -284,8 +365,11 @@ class Qwen2Model:
     # ---- reference path -------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward_full(self, token_ids: list[int] | torch.Tensor) -> torch.Tensor:
-        """Logits [T, vocab] (float32) of one sequence with plain causal attention and no cache."""
+    def forward_full(
+        self, token_ids: list[int] | torch.Tensor, *, routing: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Logits [T, vocab] (float32) of one sequence with plain causal attention and no cache. `routing`:
+        each MoE layer appends its top-k expert ids [T, top_k] (in layer order)."""
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(-1)
         self._check_ids(ids)
         t = ids.shape[0]
@@ -307,16 +391,19 @@ class Qwen2Model:
             attn = torch.softmax(scores, dim=-1) @ v  # [heads, T, hd]
             attn = attn.transpose(0, 1).reshape(t, self.q_size).to(self.dtype)
             h = h + F.linear(attn, layer.o_proj)
-            h = self._mlp_block(layer, h)
+            h = self._mlp_block(layer, h, routing=routing)
         return self._logits(h)
 
     # ---- paged path -----------------------------------------------------------------------------
 
-    def forward_paged(self, batch: PagedBatch, kv_layers: list[torch.Tensor]) -> torch.Tensor:
+    def forward_paged(
+        self, batch: PagedBatch, kv_layers: list[torch.Tensor], *, routing: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """One forward over a flattened batch of tokens from many sequences.
 
         Writes each token's K/V into `kv_layers` at `slot_mapping`, attends every query over its own
-        sequence's blocks, and returns float32 logits for the rows in `logits_index` only.
+        sequence's blocks, and returns float32 logits for the rows in `logits_index` only. `routing`: each MoE
+        layer appends the top-k expert ids [T, top_k] of the batch's rows (in layer order).
         """
         n = batch.input_ids.shape[0]
         t = padded_rows(n)  # rows past n are padding, see padded_rows
@@ -334,7 +421,7 @@ class Qwen2Model:
             for seq in batch.prefills:
                 out[seq.start : seq.start + seq.num_tokens] = self._prefill_attention(q, cache, seq, g)
             h = h + F.linear(out, layer.o_proj)
-            h = self._mlp_block(layer, h)
+            h = self._mlp_block(layer, h, n, routing)
         s = batch.logits_index.shape[0]
         return self._logits(F.pad(h[batch.logits_index], (0, 0, 0, padded_rows(s) - s)))[:s]
 
@@ -357,3 +444,8 @@ class Qwen2Model:
         v = kv[1].transpose(0, 1)
         o = F.scaled_dot_product_attention(qs, k, v, attn_mask=seq.mask)  # [kvh, g*n, hd]
         return o.view(self.num_kv_heads, g, n, self.head_dim).permute(2, 0, 1, 3).reshape(n, self.q_size)
+
+
+def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from psrl.engine.routing import RoutingRecorder
 from psrl.engine.sampler import SamplingOptions
 from psrl.engine.stop_strings import StopStringDetector
 
@@ -33,6 +35,9 @@ class RequestOutput:
     num_output_tokens: int  # total so far, this delta included
     matched_stop_str: str | None = None  # the stop string that ended it (then matched_stop_token_id is None)
     index: int = 0  # which choice of an n > 1 request (set by AsyncEngine's stream)
+    # On the finished output of a request that asked (SamplingOptions.routed_experts_prompt_start): its routed
+    # experts [n, num_moe_layers, top_k], row i = position prompt_start + i, up to the last position it fed.
+    routed_experts: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:
@@ -54,6 +59,7 @@ class Request:
         "num_prompt_tokens",
         "pin_on_sync_abort",
         "request_id",
+        "routing",
         "sampling",
         "status",
         "stop_detector",
@@ -69,6 +75,7 @@ class Request:
         *,
         stop_detector: StopStringDetector | None = None,
         pin_on_sync_abort: bool = True,
+        routing: RoutingRecorder | None = None,
     ) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)  # prompt + output so far
@@ -88,6 +95,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_detector = stop_detector  # decodes the output when it has stop strings
         self.pin_on_sync_abort = pin_on_sync_abort  # keep its KV for a migration peer when a sync aborts it
+        self.routing = routing  # records its routed experts (a MoE model, and it asked)
         self.generator: torch.Generator | None = None
         if sampling.seed is not None:
             self.generator = torch.Generator(device="cpu").manual_seed(sampling.seed)
@@ -107,3 +115,13 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def kv_reuse_limit(self) -> int:
+        """How many leading tokens may come from cached or migrated KV: all but the last, and for a request
+        recording its routing none it has no row for yet (their routing must be computed here)."""
+        limit = self.num_tokens - 1
+        return limit if self.routing is None else min(limit, self.routing.frontier)
+
+    def routed_experts(self) -> np.ndarray | None:
+        return None if self.routing is None else self.routing.rows()

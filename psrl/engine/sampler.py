@@ -27,6 +27,9 @@ class SamplingOptions:
     stop: tuple[str, ...] = ()  # stop strings, matched in the decoded output text (the engine needs a tokenizer)
     include_stop_str_in_output: bool = False  # only changes the text (the router's cut), never the ids
     skip_special_tokens: bool = True  # how the output is decoded for stop strings
+    # Record the routed experts of positions from this one on (MoE models only; None = record nothing). vLLM's
+    # routed_experts_prompt_start: 0..prompt length; the finished output carries the rows.
+    routed_experts_prompt_start: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # one stop string, as vLLM takes it
@@ -64,6 +67,9 @@ class SamplingOptions:
             raise InvalidSamplingError(f"n must be in [1, {MAX_N}], got {self.n!r}")
         if self.n > 1 and self.greedy:  # vLLM's rule: the choices could only be copies of each other
             raise InvalidSamplingError(f"n must be 1 when using greedy sampling, got {self.n}")
+        start = self.routed_experts_prompt_start
+        if start is not None and (not isinstance(start, int) or isinstance(start, bool) or start < 0):
+            raise InvalidSamplingError(f"routed_experts_prompt_start must be None or >= 0, got {start!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidSamplingError(f"stop cannot contain an empty string (or a non-string), got {self.stop}")
 

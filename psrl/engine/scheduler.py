@@ -136,8 +136,9 @@ class Scheduler:
     def _cached_prefix(self, req: Request) -> list[int]:
         if not self.pool.enable_caching:
             return []
-        # At most num_tokens - 1 tokens from the cache: the last one is computed to get logits (vLLM's rule).
-        max_blocks = (req.num_tokens - 1) // self.block_size
+        # At most num_tokens - 1 tokens from the cache: the last one is computed to get logits (vLLM's rule);
+        # fewer when the request records routed experts it has no row for yet.
+        max_blocks = req.kv_reuse_limit // self.block_size
         extend_block_hashes(req.block_hashes, req.token_ids, self.block_size, max_blocks)
         return self.pool.cached_prefix(req.block_hashes[:max_blocks])
 

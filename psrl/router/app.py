@@ -36,7 +36,7 @@ from psrl.router.metadata import RoutingMeta, parse_routing_meta
 from psrl.router.metrics import RouterMetrics
 from psrl.router.pipeline import parse as P
 from psrl.router.pipeline import respond as R
-from psrl.router.pipeline.context import Generation, GenerationInput
+from psrl.router.pipeline.context import Generation, GenerationInput, routed_experts_start
 from psrl.router.pipeline.execute import Delta
 from psrl.router.pipeline.prepare import chat_prompt_ids, new_request_id, text_prompt_ids
 from psrl.router.pipeline.select import resolve_model
@@ -52,6 +52,7 @@ from psrl.router.pipeline.stream import (
     sse_stream,
 )
 from psrl.router.pipeline.tool_calls import NoToolParser, ParsedOutput, ToolCallParser, make_tool_parser
+from psrl.router.pipeline.tool_choice import explaining_refusal, require_parser
 from psrl.router.policies import KvEventIndex, SelectionRequest, make_policy
 from psrl.router.psmanager_admission import PSManagerAdmission
 from psrl.router.registry import Worker, WorkerRegistry
@@ -109,9 +110,10 @@ class RouterApp:
                 on_queue_length=self.metrics_queue_length,
             )
         self.tool_parser = make_tool_parser(config.tool_call_parser)
-        self.tito = TitoBridge(config.tito, self._default_tokenizer)
+        self.tito = TitoBridge(config.tito)
         self.metrics.tito_sessions.set_function(self.tito.num_sessions)
         self.metrics.tito_sessions_expired.set_function(self.tito.sessions_expired)
+        self.metrics.tito_turns_not_exported.set_function(self.tito.turns_not_exported)
         self.tokenizers = TokenizerStore(self.registry, self.clients, config.tokenizer_path)
         self.dispatcher = Dispatcher(
             self.registry,
@@ -338,12 +340,16 @@ class RouterApp:
         if not url:
             raise BadRequest("'url' is required", param="url")
         mode = P.get_str(body, "connection_mode", None) or ("http" if url.startswith("http") else "grpc")
-        parts = urlsplit(url)
         if mode not in ("grpc", "http"):
             raise BadRequest(f"connection_mode must be grpc or http, got {mode!r}", param="connection_mode")
+        form = "grpc://host:port" if mode == "grpc" else "http://host:port"
+        try:
+            parts = urlsplit(url)
+            port = parts.port  # a port that is not a number, or past 65535, raises here
+        except ValueError as e:
+            raise BadRequest(f"'url' must look like {form}, got {url!r}: {e}", param="url") from None
         scheme_ok = parts.scheme == "grpc" if mode == "grpc" else parts.scheme in ("http", "https")
-        if not scheme_ok or not parts.hostname or not parts.port:
-            form = "grpc://host:port" if mode == "grpc" else "http://host:port"
+        if not scheme_ok or not parts.hostname or not port:
             raise BadRequest(f"'url' must look like {form} for connection_mode {mode}, got {url!r}", param="url")
         labels = body.get("labels") or {}
         if not isinstance(labels, dict):
@@ -467,9 +473,6 @@ class RouterApp:
 
     # ---- TITO sessions -------------------------------------------------------------------------------
 
-    async def _default_tokenizer(self) -> Tokenizer:
-        return await self.tokenizers.get(resolve_model(self.registry, None))
-
     async def tito_create(self, request: Request) -> AnyResponse:
         client = TitoBridge.client_of(request.headers.get("authorization")) if self.config.api_key else None
         return _json({"session_id": await self.tito.create(client)})
@@ -501,13 +504,14 @@ class RouterApp:
             )
         if chat.sampling.n > 1:
             raise BadRequest("a TITO turn records one reply; send n=1 (one trajectory per sample)", param="n")
-        prepared = await self.tito.prepare(turn[0], turn[1], chat)
+        prepared = await self.tito.prepare(turn[0], turn[1], chat, model=model, tokenizer=tok)
         if chat.sampling.logprobs is None:
             chat.sampling.logprobs = 0
+        # With routed experts recorded, the rows start where the reused path's end: its last id was never fed.
+        experts_from = max(prepared.reused_tokens - 1, 0) if self.config.tito.tito_routed_experts else None
+        gen_input = GenerationInput(rid, prepared.prompt_ids, chat.sampling, False, routed_experts_start=experts_from)
         try:
-            rollout = Rollout(
-                self.dispatcher, model, meta, GenerationInput(rid, prepared.prompt_ids, chat.sampling, False)
-            )
+            rollout = Rollout(self.dispatcher, model, meta, gen_input)
             ticket = await rollout.start()
             [gen] = await rollout.collect()
         except BaseException:
@@ -525,6 +529,7 @@ class RouterApp:
             token_versions=rollout.states[0].token_versions,
             instance=(last.instance.id.base_worker_id, last.instance.id.dp_rank),
             assistant_message={"role": "assistant", "content": output.content, "tool_calls": output.tool_calls},
+            routed_experts=None if gen.routed_experts is None else gen.routed_experts.record(),
         )
         return ticket, gen, output
 
@@ -556,7 +561,9 @@ class RouterApp:
             return await self._proxy_http("/v1/chat/completions", chat, model, meta, rid, raw, request)
         turn = self._tito_turn(request)
         if chat.stream and turn is None:
-            tok, rollout, ticket = await self._start_stream(chat, model, meta, rid)
+            require_parser(chat.tool_choice, not isinstance(self.tool_parser, NoToolParser))
+            with explaining_refusal(chat.tool_choice):
+                tok, rollout, ticket = await self._start_stream(chat, model, meta, rid)
             events = self._chat_sse(rollout, tok, chat, rid, int(time.time()), model)
             return self._stream("/v1/chat/completions", request, ticket, events)
         ticket, out = await self._chat_completion(chat, model, meta, rid, turn)
@@ -585,21 +592,23 @@ class RouterApp:
         self, chat: P.ChatRequest, model: str, meta: RoutingMeta, rid: str, turn: tuple[str, int] | None
     ) -> tuple[Ticket, dict[str, Any]]:
         """A non-streamed chat completion over gRPC workers (a TITO turn when `turn` is set)."""
+        require_parser(chat.tool_choice, not isinstance(self.tool_parser, NoToolParser))
         tok = await self.tokenizers.get(model)
         created = int(time.time())
-        if turn is not None:
-            ticket, gen, output = await self._tito_chat(turn, chat, model, meta, rid, tok)
-            gens, outputs = [gen], [output]
-        else:
-            prompt = await chat_prompt_ids(chat, tok)
-            rollout = Rollout(self.dispatcher, model, meta, GenerationInput(rid, prompt, chat.sampling, False))
-            ticket = await rollout.start()
-            gens = await rollout.collect()
-            outputs = [self._parse_output(chat, tok, g) for g in gens]
+        with explaining_refusal(chat.tool_choice):
+            if turn is not None:
+                ticket, gen, output = await self._tito_chat(turn, chat, model, meta, rid, tok)
+                gens, outputs = [gen], [output]
+            else:
+                prompt = await chat_prompt_ids(chat, tok)
+                rollout = Rollout(self.dispatcher, model, meta, GenerationInput(rid, prompt, chat.sampling, False))
+                ticket = await rollout.start()
+                gens = await rollout.collect()
+                outputs = [self._parse_output(chat, tok, g) for g in gens]
         choices = []
         for i, (gen, output) in enumerate(zip(gens, outputs, strict=True)):
             lps = R.chat_logprobs(tok, gen.output_ids, gen.logprobs, gen.top_logprobs) if chat.logprobs else None
-            choices.append(R.chat_choice(i, output, gen, lps))
+            choices.append(R.chat_choice(i, output, gen, lps, chat.tool_choice.named))
         out = R.chat_completion(request_id=rid, created=created, model=model, choices=choices, gens=gens)
         return ticket, out
 
@@ -620,7 +629,9 @@ class RouterApp:
             return await self._proxy_http(route, chat, model, meta, rid, raw, request)
         turn = self._tito_turn(request)
         if chat.stream and turn is None:
-            tok, rollout, ticket = await self._start_stream(chat, model, meta, rid)
+            require_parser(chat.tool_choice, not isinstance(self.tool_parser, NoToolParser))
+            with explaining_refusal(chat.tool_choice):
+                tok, rollout, ticket = await self._start_stream(chat, model, meta, rid)
             lps = chat.logprobs
 
             def logprobs(d: Delta) -> list[dict[str, Any]] | None:
@@ -658,11 +669,25 @@ class RouterApp:
         self, source: Rollout, tok: Tokenizer, chat: P.ChatRequest, rid: str, created: int, model: str
     ) -> AsyncIterator[bytes]:
         choices = [
-            ChatChoice(i, StreamedText(tok, chat.sampling), self._tool_parser(chat).stream(), tok, chat.logprobs)
+            ChatChoice(
+                i,
+                StreamedText(tok, chat.sampling),
+                self._tool_parser(chat).stream(),
+                tok,
+                chat.logprobs,
+                chat.tool_choice.named,
+            )
             for i in range(chat.sampling.n)
         ]
         envelope = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-        return sse_stream(source, choices, envelope=envelope, include_usage=chat.include_usage)
+        return sse_stream(
+            source,
+            choices,
+            envelope=envelope,
+            include_usage=chat.include_usage,
+            continuous_usage=chat.continuous_usage,
+            prompt_tokens=len(source.states[0].original.prompt_ids),
+        )
 
     async def completions(self, request: Request) -> AnyResponse:
         raw = await request.body()
@@ -709,7 +734,14 @@ class RouterApp:
     ) -> AsyncIterator[bytes]:
         choices = [CompletionChoice(i, StreamedText(tok, req.sampling), tok) for i in range(req.sampling.n)]
         envelope = {"id": rid, "object": "text_completion", "created": created, "model": model}
-        return sse_stream(source, choices, envelope=envelope, include_usage=req.include_usage)
+        return sse_stream(
+            source,
+            choices,
+            envelope=envelope,
+            include_usage=req.include_usage,
+            continuous_usage=req.continuous_usage,
+            prompt_tokens=len(source.states[0].original.prompt_ids),
+        )
 
     async def generate(self, request: Request) -> AnyResponse:
         body = await self._body(request)
@@ -720,12 +752,19 @@ class RouterApp:
         detokenize = sp.get("detokenize", True) is not False
         needs_tokenizer = detokenize or any(isinstance(p, str) for p in req.prompts)
         tok = await self.tokenizers.get(model) if needs_tokenizer else None
+        routed_start = routed_experts_start(body)
 
         async def one(prompt: list[int] | str, rid: str | None) -> tuple[Ticket, list[dict[str, Any]]]:
             ids = await text_prompt_ids(prompt, tok, "text") if isinstance(prompt, str) and tok else prompt
             assert isinstance(ids, list)
             rid = rid or new_request_id("gen")
-            rollout = Rollout(self.dispatcher, model, meta, GenerationInput(rid, ids, req.sampling, False))
+            if routed_start is not None and routed_start > len(ids):
+                raise BadRequest(
+                    f"routed_experts_start_len ({routed_start}) exceeds the prompt's {len(ids)} tokens",
+                    param="routed_experts_start_len",
+                )
+            gen_in = GenerationInput(rid, ids, req.sampling, False, routed_experts_start=routed_start)
+            rollout = Rollout(self.dispatcher, model, meta, gen_in)
             await rollout.start()
             gens = await rollout.collect()
             last = rollout.ticket
@@ -741,6 +780,7 @@ class RouterApp:
                     return_prompt_token_ids=req.return_prompt_token_ids,
                     text=output_text(tok, gen, req.sampling) if detokenize and tok else None,
                     token_versions=state.token_versions,
+                    return_routed_experts=routed_start is not None,
                 )
                 outs.append(out)
             return last, outs

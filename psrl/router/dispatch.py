@@ -333,7 +333,10 @@ class Rollout:
             async for delta in deltas:
                 hit = None if watch.done else watch.feed(delta.token_ids)
                 if hit is not None:
-                    yield call.end_at_stop(delta, *hit)
+                    cut = call.end_at_stop(delta, *hit)
+                    await deltas.aclose()
+                    await call.routed_experts_after_cut()  # the segment's rows, when it asked for them
+                    yield cut
                     return
                 yield delta
         finally:

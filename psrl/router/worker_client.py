@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
+from psrl._proto import routed_experts_pb2, routed_experts_pb2_grpc
 from psrl.replica_auth import REFUSED_ERROR_CODE, token_interceptors
 from psrl.router.errors import WorkerUnavailable
 from psrl.router.registry import Worker
@@ -54,6 +55,7 @@ class WorkerClients:
     def __init__(self, replica_token: str | None = None) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, vllm_engine_pb2_grpc.VllmEngineStub] = {}
+        self._routed_experts_stubs: dict[str, routed_experts_pb2_grpc.RoutedExpertsStub] = {}
         self._interceptors = token_interceptors(replica_token)
         self._refusals_logged: set[str] = set()
 
@@ -65,8 +67,23 @@ class WorkerClients:
             stub = self._stubs[target] = vllm_engine_pb2_grpc.VllmEngineStub(channel)
         return stub
 
+    async def take_routed_experts(
+        self, target: str, request_id: str, index: int, timeout_s: float
+    ) -> routed_experts_pb2.TakeRoutedExpertsResponse:
+        """The routed experts a replica of ours kept for one choice of a Generate (psrl.experts.RoutedExperts, on
+        the worker's channel); a stock replica answers UNIMPLEMENTED."""
+        stub = self._routed_experts_stubs.get(target)
+        if stub is None:
+            self.stub(target)  # opens the channel
+            stub = self._routed_experts_stubs[target] = routed_experts_pb2_grpc.RoutedExpertsStub(
+                self._channels[target]
+            )
+        request = routed_experts_pb2.TakeRoutedExpertsRequest(request_id=request_id, index=index)
+        return await stub.TakeRoutedExperts(request, timeout=timeout_s)
+
     async def drop(self, target: str) -> None:
         self._stubs.pop(target, None)
+        self._routed_experts_stubs.pop(target, None)
         self._refusals_logged.discard(target)
         channel = self._channels.pop(target, None)
         if channel is not None:

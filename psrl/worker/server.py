@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
-from psrl._proto import kv_migration_pb2_grpc, replica_control_pb2_grpc
+from psrl._proto import kv_migration_pb2_grpc, replica_control_pb2_grpc, routed_experts_pb2_grpc
 from psrl.engine import AsyncEngine, CacheConfig, Engine
 from psrl.replica_auth import ROUTER_API_KEY_ENV, TOKEN_ENV, TOKEN_FILE_FLAG, load_replica_token, load_secret
 from psrl.worker.control import ReplicaControlServicer
@@ -243,6 +243,7 @@ async def serve(args: WorkerArgs) -> None:
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
     replica_control_pb2_grpc.add_ReplicaControlServicer_to_server(ReplicaControlServicer(engines), server)
     kv_migration_pb2_grpc.add_KvMigrationServicer_to_server(migration, server)
+    routed_experts_pb2_grpc.add_RoutedExpertsServicer_to_server(servicer.routed_experts, server)
     health = add_health_and_reflection(server, servicer.healthy)
     await server.start()
     migration.start()

@@ -22,6 +22,11 @@ with its `dp_rank` and numbered per rank. There is no replay history: each rank'
 snapshot of its live cached blocks (a KvCacheCleared, then the blocks parents first, marked as
 KvSnapshotChunk), numbered from start_sequence_number + 1, so a resuming client sees no gap and resyncs.
 `FlushCache` clears every rank's prefix cache at once (subscribers get a KvCacheCleared).
+
+Routed experts (a Qwen2-MoE model folder): a Generate whose metadata asks for them
+(`x-psrl-routed-experts-start`, psrl.worker.routed_experts) records them from that position on, and each
+choice's rows are kept in `routed_experts` (the replica's `psrl.experts.RoutedExperts` service) just before its
+complete frame is sent, so the router can take them once it has read that frame.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ from psrl.engine import (
 from psrl.worker.admission import ACCEPTED_METADATA_KEY, refused_complete
 from psrl.worker.kv_migration import KvPuller, KvTransferParams
 from psrl.worker.model_folder import ModelFolder
+from psrl.worker.routed_experts import BadRoutedExpertsAsk, RoutedExpertsServicer, RoutedExpertsStore, asked_start
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +192,9 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._last_receive = 0.0
         self._rank_of: dict[str, int] = {}
         self._tokenizer_zip: tuple[bytes, str] | None = None
+        unsupported = None if folder.model_config.is_moe else f"the model {served_model_name!r} has no MoE layers"
+        # Served beside this servicer on the replica's server (psrl.worker.server).
+        self.routed_experts = RoutedExpertsServicer(RoutedExpertsStore(), unsupported)
 
     # ---- Generate ---------------------------------------------------------------------------------
 
@@ -221,6 +230,9 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             kv_params = self._kv_params(request)
             prompt = self._prompt_ids(request)
             sampling = sampling_from_proto(request.sampling_params, self.folder.model_config.vocab_size)
+            routed_start = self._routed_experts_start(context)
+            if routed_start is not None:
+                sampling = replace(sampling, routed_experts_prompt_start=routed_start)
             rank = self._pick_rank(request)
             with_top = bool(sampling.logprobs)
             engine = self.engines[rank]
@@ -258,6 +270,7 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                     async for out in stream:
                         yield vllm_engine_pb2.GenerateResponse(chunk=self._chunk(out, with_top))
                         if out.finished:
+                            self._keep_routed_experts(request_id, out, routed_start)
                             yield vllm_engine_pb2.GenerateResponse(complete=self._complete(out, with_top, report))
                 else:
                     choices = [_Accumulated() for _ in range(sampling.n)]
@@ -265,6 +278,7 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                         choices[out.index].add(out)
                     for choice in choices:
                         full = choice.as_output()
+                        self._keep_routed_experts(request_id, full, routed_start)
                         yield vllm_engine_pb2.GenerateResponse(complete=self._complete(full, with_top, report))
             finally:
                 self._rank_of.pop(request_id, None)
@@ -273,6 +287,18 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         except ValueError as e:  # engine-side validation: prompt too long, bad ids, bad sampling
             logger.info("Generate %s rejected: %s", request_id, e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def _routed_experts_start(self, context: grpc.aio.ServicerContext) -> int | None:
+        """The position the call asks routed experts from (None: not asked, or a model without MoE layers)."""
+        try:
+            start = asked_start(context.invocation_metadata())
+        except BadRoutedExpertsAsk as e:
+            raise _InvalidArgument(str(e)) from None
+        return start if self.routed_experts.unsupported is None else None
+
+    def _keep_routed_experts(self, request_id: str, out: RequestOutput, start: int | None) -> None:
+        if start is not None and out.routed_experts is not None:
+            self.routed_experts.store.put(request_id, out.index, out.routed_experts, start)
 
     def _kv_params(self, request: vllm_engine_pb2.GenerateRequest) -> KvTransferParams | None:
         """Where the request's KV is. Like vLLM, a kv_transfer_params_json that is present must be a JSON object
@@ -393,8 +419,8 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             vocab_size=cfg.vocab_size,
             served_model_name=self.served_model_name,
             tokenizer_path=str(self.folder.path),
-            model_type="qwen2",
-            architectures=["Qwen2ForCausalLM"],
+            model_type="qwen2_moe" if cfg.is_moe else "qwen2",
+            architectures=["Qwen2MoeForCausalLM" if cfg.is_moe else "Qwen2ForCausalLM"],
             eos_token_ids=list(tok.eos_token_ids),
             pad_token_id=-1 if pad is None else pad,
             bos_token_id=-1 if bos is None else bos,

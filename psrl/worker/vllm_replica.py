@@ -7,6 +7,12 @@ added in front of the stock Generate is the admission gate of a weight sync: whi
 (or after it failed) a new Generate gets the empty "abort" frame at once instead of queueing in a paused
 engine, as the reference replica does.
 
+Routed experts (MoE routing replay): vLLM returns them with a finished output when the engine runs with
+`--enable-return-routed-experts` (vLLM's Model Runner V2, which needs Triton: a GPU build). The stock proto has
+no field for them, so a Generate that asks (metadata `x-psrl-routed-experts-start`, psrl.worker.routed_experts)
+gets `routed_experts_prompt_start` set on its sampling params, and each choice's rows are kept for our
+`psrl.experts.RoutedExperts` service as its complete frame is built. A replica without the flag says so there.
+
 vLLM's engine arguments come after `--` on our command line and go to vLLM's own parser; ours (`--model`,
 `--served-model-name`, `--dp-size`, `--host`, `--port`, `--router`) are translated. A model folder without
 weights is served with `--load-format dummy` (random weights; LoadWeights then needs a loader that reads
@@ -15,17 +21,19 @@ files).
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
+import numpy as np
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from psrl._proto import kv_migration_pb2_grpc, replica_control_pb2_grpc
+from psrl._proto import kv_migration_pb2_grpc, replica_control_pb2_grpc, routed_experts_pb2_grpc
 from psrl.worker.admission import ACCEPTED_METADATA_KEY, AdmissionGate, refused_complete
 from psrl.worker.grpc_services import (
     KV_MIGRATION_SERVICE,
@@ -36,6 +44,12 @@ from psrl.worker.grpc_services import (
 )
 from psrl.worker.model_folder import WEIGHTS_FILE
 from psrl.worker.registration import serve_replica
+from psrl.worker.routed_experts import (
+    BadRoutedExpertsAsk,
+    RoutedExpertsServicer,
+    RoutedExpertsStore,
+    asked_start,
+)
 
 if TYPE_CHECKING:
     from psrl.worker.server import WorkerArgs
@@ -49,12 +63,15 @@ CPU_ENV_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPA
 ENV_DEFAULTS = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 
 
-def apply_env_defaults() -> None:
+def apply_env_defaults(engine_args: Sequence[str] = ()) -> None:
     """Before vLLM is imported: its settings are read from the environment at import."""
     import torch
 
     for key, value in ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
+    if any(a.startswith("--enable-return-routed-experts") for a in engine_args):
+        # vLLM captures routed experts in Model Runner V2 only; its default picks V1 where V2 lacks a feature.
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
     if not torch.cuda.is_available():
         for key, value in CPU_ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
@@ -125,15 +142,62 @@ class FinalOnly:
         return out
 
 
+# The Generate call being served and the position it asks routed experts from. Each gRPC call runs in a task of
+# its own, so the stock servicer's helpers called inside it (sampling params, complete frames) see its value.
+_ROUTED_ASK: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar("psrl_routed_ask", default=None)
+
+
+def routed_experts_unsupported(vllm_config: Any) -> str | None:
+    """Why this vLLM engine cannot return routed experts (None when it can)."""
+    if not vllm_config.aux_output_config.enable_return_routed_experts:
+        return "this vLLM replica runs without --enable-return-routed-experts"
+    if not vllm_config.model_config.is_moe:
+        return "the model has no MoE layers"
+    return None
+
+
 def _gated_servicer_class() -> type:
     from smg_grpc_servicer.vllm.servicer import VllmEngineServicer
 
     class GatedVllmEngineServicer(VllmEngineServicer):
-        """The stock servicer, with a weight sync's admission gate in front of Generate."""
+        """The stock servicer, with a weight sync's admission gate in front of Generate, and the routed experts
+        a Generate asks for kept for `routed_experts`."""
 
-        def __init__(self, llm: Any, start_time: float, gate: AdmissionGate) -> None:
+        def __init__(
+            self, llm: Any, start_time: float, gate: AdmissionGate, routed_experts: RoutedExpertsServicer
+        ) -> None:
             super().__init__(llm, start_time)
             self.gate = gate
+            self.routed_experts = routed_experts
+
+        def _sampling_params_from_proto(self, params: Any, stream: bool = True, kv_transfer_params: Any = None) -> Any:
+            sampling = super()._sampling_params_from_proto(params, stream=stream, kv_transfer_params=kv_transfer_params)
+            ask = _ROUTED_ASK.get()
+            if ask is not None:
+                sampling.routed_experts_prompt_start = ask[1]
+            return sampling
+
+        def _complete_response(
+            self,
+            output: Any,
+            completion: Any = None,
+            num_logprobs: int | None = None,
+            num_prompt_logprobs: int | None = None,
+            media_identity: Any = None,
+        ) -> vllm_engine_pb2.GenerateResponse:
+            ask = _ROUTED_ASK.get()
+            choice: Any = completion if completion is not None else (output.outputs[0] if output.outputs else None)
+            rows = getattr(choice, "routed_experts", None)
+            if ask is not None and choice is not None and rows is not None:
+                # Kept before the frame goes out: a router that read it can take them at once.
+                self.routed_experts.store.put(ask[0], choice.index, np.asarray(rows), ask[1])
+            return super()._complete_response(
+                output,
+                completion=completion,
+                num_logprobs=num_logprobs,
+                num_prompt_logprobs=num_prompt_logprobs,
+                media_identity=media_identity,
+            )
 
         async def Generate(
             self, request: vllm_engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -143,6 +207,12 @@ def _gated_servicer_class() -> type:
                 logger.info("Generate %s refused: %s", request.request_id, reason)
                 yield vllm_engine_pb2.GenerateResponse(complete=refused_complete(len(request.tokenized.input_ids)))
                 return
+            try:
+                start = asked_start(context.invocation_metadata())
+            except BadRoutedExpertsAsk as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            if start is not None and self.routed_experts.unsupported is None:
+                _ROUTED_ASK.set((request.request_id, start))  # this call's task only
             self.gate.started(request.request_id)
             finish_reason = None
             try:
@@ -176,7 +246,7 @@ def _gated_servicer_class() -> type:
 async def serve_vllm(args: WorkerArgs) -> None:
     if args.model is None:
         raise SystemExit("--engine vllm needs --model DIR")
-    apply_env_defaults()
+    apply_env_defaults(args.engine_args)
     from smg_grpc_servicer.vllm.health_servicer import VllmHealthServicer
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
@@ -220,7 +290,8 @@ async def serve_vllm(args: WorkerArgs) -> None:
     llm = AsyncLLM.from_vllm_config(vllm_config=vllm_config, usage_context=UsageContext.OPENAI_API_SERVER)
 
     gate = AdmissionGate()
-    servicer = _gated_servicer_class()(llm, start_time, gate)
+    routed_experts = RoutedExpertsServicer(RoutedExpertsStore(), routed_experts_unsupported(vllm_config))
+    servicer = _gated_servicer_class()(llm, start_time, gate, routed_experts)
 
     async def waiting() -> int:
         loads = await servicer.GetLoads(vllm_engine_pb2.GetLoadsRequest(), None)
@@ -229,6 +300,7 @@ async def serve_vllm(args: WorkerArgs) -> None:
     control = VllmReplicaControl(llm, gate, waiting)
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
     replica_control_pb2_grpc.add_ReplicaControlServicer_to_server(control, server)
+    routed_experts_pb2_grpc.add_RoutedExpertsServicer_to_server(routed_experts, server)
     served: tuple[str, ...] = (VLLM_ENGINE_SERVICE, REPLICA_CONTROL_SERVICE)
     if proxy is not None:
         kv_migration_pb2_grpc.add_KvMigrationServicer_to_server(proxy, server)

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import base64
+import io
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 from smg_grpc_proto.generated import vllm_engine_pb2
+
+from psrl.router.errors import BadRequest
 
 
 @dataclass
@@ -56,6 +62,51 @@ class SamplingSpec:
         return p
 
 
+@dataclass(frozen=True)
+class RoutedExperts:
+    """One choice's MoE routing: `rows` [n, num_layers, top_k] of expert ids, row i being the token at position
+    `prompt_start + i` (prompt positions, then output positions but the last: [prompt_start, P + R - 1))."""
+
+    rows: np.ndarray
+    prompt_start: int
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.rows.shape[1])
+
+    @property
+    def top_k(self) -> int:
+        return int(self.rows.shape[2])
+
+    def b64_npy(self) -> str:
+        """The rows as a base64 .npy file: /generate's meta_info.routed_experts and a TITO record's data."""
+        buf = io.BytesIO()
+        np.save(buf, self.rows, allow_pickle=False)
+        return base64.b64encode(buf.getvalue()).decode("ascii")
+
+    def record(self) -> dict[str, Any]:
+        """A TITO record's `routed_experts` (COMPAT section 6; psrl.tito.training reads it)."""
+        return {
+            "data": self.b64_npy(),
+            "num_layers": self.num_layers,
+            "top_k": self.top_k,
+            "dtype": self.rows.dtype.name,
+            "prompt_start": self.prompt_start,
+        }
+
+
+def routed_experts_start(body: dict[str, Any]) -> int | None:
+    """SGLang's /generate fields: `return_routed_experts` (bool) and `routed_experts_start_len` (the first position
+    reported, 0..prompt length, default 0). None when routed experts are not asked for."""
+    asked = body.get("return_routed_experts", False)
+    if not isinstance(asked, bool):
+        raise BadRequest("return_routed_experts must be a boolean", param="return_routed_experts")
+    start = body.get("routed_experts_start_len")
+    if start is not None and (not isinstance(start, int) or isinstance(start, bool) or start < 0):
+        raise BadRequest("routed_experts_start_len must be a non-negative integer", param="routed_experts_start_len")
+    return (start or 0) if asked else None
+
+
 @dataclass
 class GenerationInput:
     """One prompt, ready for a replica."""
@@ -65,6 +116,9 @@ class GenerationInput:
     sampling: SamplingSpec
     stream: bool = False
     kv_transfer_params_json: str = ""  # a looped-back request: where its KV is (see Dispatcher.kv_transfer_params)
+    # Ask the replica for the routed experts of positions from this one on (None: not asked). Sent as Generate
+    # metadata (the stock proto has no field); a looped-back request asks from where the last segment ended.
+    routed_experts_start: int | None = None
 
     def to_proto(self, dp_rank: int) -> vllm_engine_pb2.GenerateRequest:
         request = vllm_engine_pb2.GenerateRequest(
@@ -93,6 +147,7 @@ class Generation:
     cached_tokens: int = 0
     kv_moved_tokens: int | None = None  # a loop-back with kv_transfer_params: prompt tokens whose KV moved in
     matched_stop_str: str | None = None  # the stop string the replica stopped at (its ids may run past it)
+    routed_experts: RoutedExperts | None = None  # when asked and the replica recorded them
 
     @property
     def completion_tokens(self) -> int:

@@ -4,6 +4,10 @@ Accumulation rule (the servicer's framing): chunk token ids are the output; a co
 when no chunk came for its choice (non-streamed calls), because when streaming it repeats the last chunk's
 delta. With n > 1 every frame names its choice (`index`): streamed, the choices' chunks interleave and each
 choice's complete frame comes when it finishes; non-streamed, one complete frame per choice.
+
+Routed experts: a generation that asks for them (`routed_experts_start`) sends that position as Generate
+metadata, and once a choice's complete frame is read its rows are taken from the replica's
+`psrl.experts.RoutedExperts` service (kept there before the frame was sent, dropped there once taken).
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 from smg_grpc_proto.generated import vllm_engine_pb2
 
+from psrl._proto import routed_experts_pb2
 from psrl.router.errors import (
     BadRequest,
     PromptOverflow,
@@ -25,7 +31,7 @@ from psrl.router.errors import (
     WorkerTimeout,
     WorkerUnavailable,
 )
-from psrl.router.pipeline.context import Generation, GenerationInput
+from psrl.router.pipeline.context import Generation, GenerationInput, RoutedExperts
 from psrl.router.registry import InstanceState
 from psrl.router.worker_client import WorkerClients
 
@@ -35,6 +41,12 @@ _OVERFLOW_MARKERS = ("maximum model length", "maximum context length")
 # Sent by our replicas once they admit a request (psrl.worker.admission.ACCEPTED_METADATA_KEY; the
 # router never imports the worker, they meet on the wire).
 ACCEPTED_METADATA_KEY = "x-psrl-accepted"
+# Generate metadata asking our replicas for routed experts from this position on
+# (psrl.worker.routed_experts.ROUTED_EXPERTS_METADATA_KEY; stock replicas ignore it).
+ROUTED_EXPERTS_METADATA_KEY = "x-psrl-routed-experts-start"
+ROUTED_EXPERTS_TIMEOUT_S = 30.0
+_EXPERT_ID_DTYPES = ("uint8", "uint16")
+_unsupported_logged: set[str] = set()  # replica targets that said they cannot record routed experts
 
 
 @dataclass(slots=True)
@@ -97,7 +109,13 @@ class WorkerCall:
         self.result = self.results[0]
         self.error: RouterError | None = None  # set when the call failed (also for streams that report it in-band)
         self._want_top = bool(gen.sampling.logprobs)
-        self._call = clients.stub(instance.worker.target).Generate(gen.to_proto(instance.id.dp_rank), timeout=timeout_s)
+        self._clients = clients
+        stub, request = clients.stub(instance.worker.target), gen.to_proto(instance.id.dp_rank)
+        if gen.routed_experts_start is None:
+            self._call = stub.Generate(request, timeout=timeout_s)
+        else:
+            ask = ((ROUTED_EXPERTS_METADATA_KEY, str(gen.routed_experts_start)),)
+            self._call = stub.Generate(request, timeout=timeout_s, metadata=ask)
         self._first: vllm_engine_pb2.GenerateResponse | None = None
         self._frames = 0
         self._saw_chunk = [False] * gen.sampling.n
@@ -174,6 +192,8 @@ class WorkerCall:
                     res.matched_stop_str = c.matched_stop_str
                 if c.kv_transfer_params_json:
                     res.kv_moved_tokens = _moved_tokens(c.kv_transfer_params_json)
+                if self.gen.routed_experts_start is not None:
+                    res.routed_experts = await self._take_routed_experts(c.index)
                 if not saw_chunk[c.index] and c.output_ids:
                     lps, top = _logprobs_of(c.output_logprobs, self._want_top)
                     ids = list(c.output_ids)
@@ -216,6 +236,63 @@ class WorkerCall:
             None if delta.top_logprobs is None else delta.top_logprobs[:keep],
             delta.index,
         )
+
+    async def routed_experts_after_cut(self) -> None:
+        """After end_at_stop on a generation asking for routed experts: the replica never saw that stop, so it is
+        aborted, its stream read on to the complete frame, and the rows of the ids kept taken. Without them the
+        segment has none (any failure here costs only the routing, which partial rollout then reports)."""
+        if self.gen.routed_experts_start is None or self._call.done():
+            return
+        stub = self._clients.stub(self.instance.worker.target)
+        try:
+            await stub.Abort(vllm_engine_pb2.AbortRequest(request_ids=[self.gen.request_id]), timeout=10)
+            while True:
+                frame = await self._call.read()
+                if frame is grpc.aio.EOF:
+                    return
+                if frame.WhichOneof("response") == "complete":
+                    break
+        except grpc.aio.AioRpcError as e:
+            logger.warning("request %s: no routed experts after its stop string: %s", self.gen.request_id, e.code())
+            return
+        routed = await self._take_routed_experts(frame.complete.index)
+        if routed is not None:
+            kept = len(self.gen.prompt_ids) + len(self.result.output_ids) - 1 - routed.prompt_start
+            self.result.routed_experts = RoutedExperts(routed.rows[: max(kept, 0)], routed.prompt_start)
+
+    async def _take_routed_experts(self, index: int) -> RoutedExperts | None:
+        """The rows the replica kept for choice `index`; None (logged) when it has none or cannot say."""
+        target, rid = self.instance.worker.target, self.gen.request_id
+        try:
+            reply = await self._clients.take_routed_experts(target, rid, index, ROUTED_EXPERTS_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self._log_unsupported("it does not serve psrl.experts.RoutedExperts (a stock vLLM servicer?)")
+            else:
+                logger.warning("request %s: TakeRoutedExperts failed (%s): %s", rid, e.code().name, e.details())
+            return None
+        if reply.status == routed_experts_pb2.ROUTED_EXPERTS_UNSUPPORTED:
+            self._log_unsupported(reply.reason)
+            return None
+        if reply.status != routed_experts_pb2.ROUTED_EXPERTS_OK:
+            logger.warning("request %s choice %d: no routed experts: %s", rid, index, reply.reason)
+            return None
+        shape = (reply.num_rows, reply.num_layers, reply.top_k)
+        try:
+            if reply.dtype not in _EXPERT_ID_DTYPES:
+                raise ValueError(f"dtype {reply.dtype!r} is not one of {_EXPERT_ID_DTYPES}")
+            wire = np.dtype(reply.dtype).newbyteorder("<")
+            rows = np.frombuffer(reply.data, dtype=wire).reshape(shape).astype(reply.dtype)
+        except ValueError as e:
+            logger.warning("request %s choice %d: malformed routed experts %s: %s", rid, index, shape, e)
+            return None
+        return RoutedExperts(rows, reply.prompt_start)
+
+    def _log_unsupported(self, reason: str) -> None:
+        target = self.instance.worker.target
+        if target not in _unsupported_logged:  # once per replica: every request asking would repeat it
+            _unsupported_logged.add(target)
+            logger.warning("worker %s records no routed experts: %s", self.instance.id.base_worker_id, reason)
 
     def _no_such_choice(self, index: int) -> WorkerStreamFailed:
         self.error = WorkerStreamFailed(

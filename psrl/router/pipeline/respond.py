@@ -65,9 +65,10 @@ def chat_logprobs(
     return {"content": content}
 
 
-def chat_finish_reason(called_tools: bool, finish_reason: str | None) -> str | None:
-    """OpenAI reports a turn that ended by calling tools as finish_reason "tool_calls"."""
-    return "tool_calls" if called_tools and finish_reason == "stop" else finish_reason
+def chat_finish_reason(called_tools: bool, finish_reason: str | None, named_tool: bool = False) -> str | None:
+    """OpenAI reports a turn that ended by calling tools as finish_reason "tool_calls", except when the request
+    named the tool to call (`named_tool`): then "stop", as OpenAI and vLLM report it."""
+    return "tool_calls" if called_tools and finish_reason == "stop" and not named_tool else finish_reason
 
 
 def chat_stream_delta(piece: StreamPiece, call_index: int) -> dict[str, Any]:
@@ -80,7 +81,9 @@ def chat_stream_delta(piece: StreamPiece, call_index: int) -> dict[str, Any]:
     return {"tool_calls": [{"index": call_index, **piece.call}]}
 
 
-def chat_choice(index: int, output: ParsedOutput, gen: Generation, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+def chat_choice(
+    index: int, output: ParsedOutput, gen: Generation, logprobs: dict[str, Any] | None, named_tool: bool = False
+) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": output.content, "tool_calls": output.tool_calls}
     if output.reasoning_content is not None:
         message["reasoning_content"] = output.reasoning_content
@@ -88,7 +91,7 @@ def chat_choice(index: int, output: ParsedOutput, gen: Generation, logprobs: dic
         "index": index,
         "message": message,
         "logprobs": logprobs,
-        "finish_reason": chat_finish_reason(bool(output.tool_calls), gen.finish_reason),
+        "finish_reason": chat_finish_reason(bool(output.tool_calls), gen.finish_reason, named_tool),
         "stop_reason": gen.stop_reason,
     }
 
@@ -186,6 +189,7 @@ def generate_output(
     return_prompt_token_ids: bool,
     text: str | None,
     token_versions: list[int],
+    return_routed_experts: bool = False,
 ) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "id": request_id,
@@ -205,6 +209,12 @@ def generate_output(
             meta["output_top_logprobs"] = [[[alp, a] for a, alp in alts] for alts in gen.top_logprobs]
     if return_prompt_token_ids:
         meta["prompt_token_ids"] = prompt_ids
+    if return_routed_experts:
+        # SGLang's fields, the array as a base64 .npy [n, num_layers, top_k] (None: no replica recorded them).
+        routed = gen.routed_experts
+        meta["routed_experts"] = None if routed is None else routed.b64_npy()
+        if routed is not None:
+            meta["routed_experts_start_len"] = routed.prompt_start
     out: dict[str, Any] = {"output_ids": gen.output_ids, "meta_info": meta}
     if text is not None:
         out["text"] = text
