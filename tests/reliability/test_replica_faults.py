@@ -121,22 +121,24 @@ def test_psrl_requests_on_a_replica_killed_mid_decode_continue_on_another(model_
     chat["stream_options"] = {"include_usage": True}
     try:
         expected = httpx.post(f"{router.url}/generate", json=body, timeout=120).json()["output_ids"]
+        [victim] = [w["worker_id"] for w in httpx.get(f"{router.url}/workers").json()["workers"] if w["url"] == a.url]
+        on_a = {"x-base-worker-id": victim, "x-target-dp-rank": "0", "x-is-sticky": "true"}  # all start on A
         results: dict[int, httpx.Response] = {}
         streamed: list[str] = []
 
         def one(i: int) -> None:
-            results[i] = httpx.post(f"{router.url}/generate", json=body, headers=_psrl(i), timeout=180)
+            results[i] = httpx.post(f"{router.url}/generate", json=body, headers={**_psrl(i), **on_a}, timeout=180)
 
         def stream() -> None:
             with httpx.stream(
-                "POST", f"{router.url}/v1/chat/completions", json=chat, headers=_psrl(99), timeout=180
+                "POST", f"{router.url}/v1/chat/completions", json=chat, headers={**_psrl(99), **on_a}, timeout=180
             ) as r:
                 streamed.extend(line[6:] for line in r.iter_lines() if line.startswith("data: "))
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(4)] + [threading.Thread(target=stream)]
         for t in threads:
             t.start()
-        wait_for(lambda: replica_busy(a.url) >= 2)
+        wait_for(lambda: replica_busy(a.url) == 5)
         os.kill(a.proc.pid, signal.SIGKILL)
         for t in threads:
             t.join(180)
@@ -148,7 +150,8 @@ def test_psrl_requests_on_a_replica_killed_mid_decode_continue_on_another(model_
             assert len(out["meta_info"]["output_token_logprobs"]) == 1500
         assert streamed[-1] == "[DONE]" and not any('"error"' in e for e in streamed)
         assert json.loads(streamed[-2])["usage"]["completion_tokens"] == 1500
-        assert "continues elsewhere" in router.log_text()
+        log = router.log_text()
+        assert "continues elsewhere" in log and "starts again" in log  # the streamed one, the non-streamed ones
         workers = lambda: httpx.get(f"{router.url}/workers").json()["workers"]  # noqa: E731
         wait_for(lambda: all(i["inflight_requests"] == 0 for w in workers() for i in w["instances"]))
     finally:
