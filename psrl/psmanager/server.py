@@ -1,7 +1,8 @@
 """The PSManager gRPC service (`psrl.state.PSManagerState` plus our `psrl.state.PSManagerAdmin`) and its CLI.
 
-A thin shell: each RPC converts the message, calls `PSManagerState` and converts back. Bad arguments answer
-INVALID_ARGUMENT, an unknown buffer NOT_FOUND, anything else INTERNAL with the error's message.
+A thin shell: each RPC converts the message, calls `PSManagerState` and converts back. Bad arguments (and bytes
+that are not the request message) answer INVALID_ARGUMENT, an unknown buffer NOT_FOUND, anything else INTERNAL
+with the error's message.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import grpc
 
 from psrl._proto import psrl_manager_pb2 as pb
 from psrl._proto import psrl_manager_pb2_grpc as pb_grpc
+from psrl.grpc_decode import RequestDecodeInterceptor
 from psrl.psmanager.errors import InvalidArgument, UnknownBuffer
 from psrl.psmanager.state import InstanceKey, PSManagerConfig, PSManagerState
 
@@ -228,7 +230,8 @@ class AdminServicer(pb_grpc.PSManagerAdminServicer):
 
 
 def build_server(state: PSManagerState) -> grpc.aio.Server:
-    server = grpc.aio.server()
+    # Requests that do not parse answer INVALID_ARGUMENT, not grpc's UNKNOWN (psrl.grpc_decode).
+    server = grpc.aio.server(interceptors=[RequestDecodeInterceptor()])
     pb_grpc.add_PSManagerStateServicer_to_server(StateServicer(state), server)
     pb_grpc.add_PSManagerAdminServicer_to_server(AdminServicer(state), server)
     return server

@@ -23,7 +23,12 @@ _CHUNK = 1 << 20  # brackets per cumulative-sum step: bounds the scan's temporar
 
 
 class JsonBodyError(ValueError):
-    """The body is not JSON we accept; the message names the problem for the client."""
+    """The body is not JSON we accept; the message names the problem for the client, and `detail` the problem
+    alone (for a message about a JSON-holding field rather than a body)."""
+
+    def __init__(self, message: str, detail: str) -> None:
+        super().__init__(message)
+        self.detail = detail
 
 
 def _opens(text: str) -> int:
@@ -51,18 +56,23 @@ def nesting_depth_exceeds(text: str, limit: int = MAX_JSON_DEPTH) -> bool:
     return False
 
 
-def loads_bounded(raw: bytes) -> Any:
-    """`json.loads` of a request body (UTF-8, -16 or -32, as json detects it), or a JsonBodyError."""
-    try:
-        text = raw.decode(json.detect_encoding(raw), "surrogatepass")
-    except UnicodeDecodeError as e:
-        raise JsonBodyError(f"request body is not valid JSON: {e}") from None
+def loads_bounded(raw: bytes | str) -> Any:
+    """`json.loads` of a request body (UTF-8, -16 or -32, as json detects it; or text already decoded, such as
+    a string field holding JSON), or a JsonBodyError."""
+    if isinstance(raw, str):
+        text = raw
+    else:
+        try:
+            text = raw.decode(json.detect_encoding(raw), "surrogatepass")
+        except UnicodeDecodeError as e:
+            raise JsonBodyError(f"request body is not valid JSON: {e}", str(e)) from None
     if nesting_depth_exceeds(text):
-        raise JsonBodyError(f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
+        detail = f"nested deeper than {MAX_JSON_DEPTH} levels"
+        raise JsonBodyError(f"request body is {detail}", detail)
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise JsonBodyError(f"request body is not valid JSON: {e}") from None
+        raise JsonBodyError(f"request body is not valid JSON: {e}", str(e)) from None
     except ValueError:  # the only other ValueError json raises: int() refusing a very long literal
-        limit = sys.get_int_max_str_digits()
-        raise JsonBodyError(f"request body has an integer literal longer than {limit} digits") from None
+        detail = f"an integer literal longer than {sys.get_int_max_str_digits()} digits"
+        raise JsonBodyError(f"request body has {detail}", detail) from None

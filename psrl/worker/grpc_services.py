@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from smg_grpc_proto.generated import vllm_engine_pb2
 
 from psrl._proto import kv_migration_pb2, replica_control_pb2
+from psrl.grpc_decode import RequestDecodeInterceptor
 from psrl.replica_auth import ReplicaTokenInterceptor
 
 logger = logging.getLogger(__name__)
@@ -48,8 +49,11 @@ UNAUTHENTICATED_SERVICES = (HEALTH_SERVICE, reflection.SERVICE_NAME)
 
 def replica_grpc_server(host: str, port: int, *, token: str | None = None) -> tuple[grpc.aio.Server, str]:
     """A replica's gRPC server bound at host:port (0: any free port) and its `host:port` target. With `token`,
-    every call but health and reflection must carry it (psrl.replica_auth)."""
-    interceptors = [ReplicaTokenInterceptor(token, UNAUTHENTICATED_SERVICES)] if token is not None else None
+    every call but health and reflection must carry it (psrl.replica_auth). Requests that do not parse answer
+    INVALID_ARGUMENT (psrl.grpc_decode), parsed only once the token was checked."""
+    interceptors: list[grpc.aio.ServerInterceptor] = [RequestDecodeInterceptor()]
+    if token is not None:
+        interceptors.insert(0, ReplicaTokenInterceptor(token, UNAUTHENTICATED_SERVICES))  # the outer one: first
     server = grpc.aio.server(options=list(REPLICA_SERVER_OPTIONS), interceptors=interceptors)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

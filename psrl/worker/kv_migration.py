@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import os
+import reprlib
 import secrets
 import socket
 import time
@@ -37,6 +38,7 @@ from psrl.engine import AsyncEngine, InvalidRequestError, PreloadedKV
 from psrl.kv import KVLayoutSpec, LayoutError, check_compatible, plan_transfer
 from psrl.kv.channels import ShmChannel, ShmMappings, ShmPool, ShmTransfer, shm_receive, shm_send
 from psrl.replica_auth import token_interceptors
+from psrl.serving import JsonBodyError, loads_bounded
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +233,11 @@ class KvMigrationServicer(kv_migration_pb2_grpc.KvMigrationServicer):
             return kv_migration_pb2.TransferKvResponse(reason=f"channel {request.channel!r} is not served here")
         if request.layout_json:
             try:
-                check_compatible(self.holder.layout(rank), json.loads(request.layout_json))
+                peer_layout = loads_bounded(request.layout_json)
+            except JsonBodyError as e:
+                return kv_migration_pb2.TransferKvResponse(reason=f"layout mismatch: bad layout_json: {e.detail}")
+            try:
+                check_compatible(self.holder.layout(rank), peer_layout)
             except (ValueError, LayoutError) as e:
                 return kv_migration_pb2.TransferKvResponse(reason=f"layout mismatch: {e}")
         tokens = list(request.token_ids)[: request.max_tokens or None]
@@ -356,6 +362,42 @@ def _alive(pid: int) -> bool:
     return True
 
 
+# Bounds of kv_transfer_params' numbers: a rank and a timeout as gRPC carries them (int32), a token count as
+# our protos do (uint32). Past them a value is a client's mistake, refused before it reaches a proto or a clock.
+_INT32_MAX = 2**31 - 1
+_UINT32_MAX = 2**32 - 1
+
+
+class KvTransferParamsError(ValueError):
+    """A kv_transfer_params_json we do not accept; the message says why, after vLLM's prefix for the field."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(f"Invalid kv_transfer_params_json: {problem}")
+
+
+def kv_transfer_params_object(text: str) -> dict[str, Any]:
+    """The JSON object a GenerateRequest's `kv_transfer_params_json` holds (vLLM's rule: a field that is present
+    holds an object), parsed within psrl.serving's bounds (nesting, integer digits). KvTransferParamsError
+    otherwise, in vLLM's words where vLLM has them."""
+    try:
+        data = loads_bounded(text)
+    except JsonBodyError as e:
+        raise KvTransferParamsError(e.detail) from None
+    if not isinstance(data, dict):
+        raise KvTransferParamsError("kv_transfer_params_json must be a JSON object")
+    return data
+
+
+def _integer(data: dict[str, Any], key: str, default: int, low: int, high: int, name: str = "") -> int:
+    """`data[key]` (else `default`) as an int in [low, high]: a JSON integer, or a float with an integral value
+    (5000.0); never a bool, a string, inf or nan."""
+    given = data.get(key, default)
+    value = int(given) if isinstance(given, float) and given.is_integer() else given
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise KvTransferParamsError(f"{name or key} must be an integer in [{low}, {high}], got {reprlib.repr(given)}")
+    return value
+
+
 @dataclass(frozen=True)
 class KvTransferParams:
     """`kv_transfer_params_json` of a GenerateRequest: where the request's KV is and how to fetch it."""
@@ -369,24 +411,24 @@ class KvTransferParams:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KvTransferParams:
-        """From the JSON object (the servicer parses the JSON: vLLM's rules for the field come first)."""
-        try:
-            source = data["source"]
-            params = cls(
-                source_target=str(source["target"]),
-                source_dp_rank=int(source.get("dp_rank", 0)),
-                request_id=str(data["request_id"]),
-                num_tokens=int(data.get("num_tokens", 0)),
-                mode=data.get("mode", "async"),
-                timeout_ms=int(data.get("timeout_ms", 5000)),
-            )
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"Invalid kv_transfer_params_json: {e}") from None
-        if params.mode not in TRANSFER_MODES:
-            raise ValueError(f"Invalid kv_transfer_params_json: mode {params.mode!r} is not one of {TRANSFER_MODES}")
-        if params.timeout_ms <= 0 or params.num_tokens < 0:
-            raise ValueError("Invalid kv_transfer_params_json: timeout_ms must be > 0 and num_tokens >= 0")
-        return params
+        """From the JSON object (the servicer parses the JSON: vLLM's rules for the field come first), its
+        numbers checked against their bounds; KvTransferParamsError (a ValueError) names what is wrong."""
+        source = data.get("source")
+        if not isinstance(source, dict) or "target" not in source:
+            raise KvTransferParamsError(f"source must be an object with a target, got {reprlib.repr(source)}")
+        if "request_id" not in data:
+            raise KvTransferParamsError("request_id is required")
+        mode = data.get("mode", "async")
+        if mode not in TRANSFER_MODES:
+            raise KvTransferParamsError(f"mode {reprlib.repr(mode)} is not one of {TRANSFER_MODES}")
+        return cls(
+            source_target=str(source["target"]),
+            source_dp_rank=_integer(source, "dp_rank", 0, 0, _INT32_MAX, "source.dp_rank"),
+            request_id=str(data["request_id"]),
+            num_tokens=_integer(data, "num_tokens", 0, 0, _UINT32_MAX),
+            mode=mode,
+            timeout_ms=_integer(data, "timeout_ms", 5000, 1, _INT32_MAX),
+        )
 
 
 _LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})

@@ -64,7 +64,7 @@ from psrl.engine import (
     SamplingOptions,
 )
 from psrl.worker.admission import ACCEPTED_METADATA_KEY, refused_complete
-from psrl.worker.kv_migration import KvPuller, KvTransferParams
+from psrl.worker.kv_migration import KvPuller, KvTransferParams, KvTransferParamsError, kv_transfer_params_object
 from psrl.worker.model_folder import ModelFolder
 from psrl.worker.routed_experts import BadRoutedExpertsAsk, RoutedExpertsServicer, RoutedExpertsStore, asked_start
 
@@ -81,6 +81,9 @@ _TOKENIZER_FILES = (
 )
 SNAPSHOT_EVENTS_PER_BATCH = 256  # a big cache's snapshot goes out as several KvSnapshotChunk batches
 _MERGED_UPDATES = 8  # per rank: past this the rank's own queue fills, and overflows if the client stalls
+# Batches are numbered from start_sequence_number + 1 in a uint64: a start past this leaves too little room
+# (fewer than 2**63 numbers) and is refused, instead of failing once a number no longer fits.
+MAX_START_SEQUENCE_NUMBER = 2**63 - 1
 
 
 def sampling_from_proto(params: vllm_engine_pb2.SamplingParams, vocab_size: int) -> SamplingOptions:
@@ -306,16 +309,12 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if not request.HasField("kv_transfer_params_json"):
             return None
         try:
-            data = json.loads(request.kv_transfer_params_json)
-        except json.JSONDecodeError as e:
-            raise _InvalidArgument(f"Invalid kv_transfer_params_json: {e}") from None
-        if not isinstance(data, dict):  # vLLM's words, behind the prefix every refusal of this field has here
-            raise _InvalidArgument("Invalid kv_transfer_params_json: kv_transfer_params_json must be a JSON object")
-        if not data or self.kv_puller is None:
-            return None
-        try:
+            # Parsed within bounds (nesting, integer digits): a hostile value is refused, never a RecursionError.
+            data = kv_transfer_params_object(request.kv_transfer_params_json)
+            if not data or self.kv_puller is None:
+                return None
             return KvTransferParams.from_dict(data)
-        except ValueError as e:
+        except KvTransferParamsError as e:  # vLLM's words, behind the prefix every refusal of this field has here
             raise _InvalidArgument(str(e)) from None
 
     async def _pull_then_attach(
@@ -494,6 +493,9 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     async def SubscribeKvEvents(
         self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.KvEventBatch]:
+        if request.start_sequence_number > MAX_START_SEQUENCE_NUMBER:
+            message = f"start_sequence_number {request.start_sequence_number} is past {MAX_START_SEQUENCE_NUMBER}"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
         streams: list[KvEventStream] = []
         pumps: list[asyncio.Task[None]] = []
         merged: asyncio.Queue[tuple[int, KvEventsUpdate | EngineError]] = asyncio.Queue(

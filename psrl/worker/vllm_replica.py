@@ -42,6 +42,7 @@ from psrl.worker.grpc_services import (
     add_health_and_reflection,
     replica_grpc_server,
 )
+from psrl.worker.kv_migration import KvTransferParamsError, kv_transfer_params_object
 from psrl.worker.model_folder import WEIGHTS_FILE
 from psrl.worker.registration import serve_replica
 from psrl.worker.routed_experts import (
@@ -207,6 +208,11 @@ def _gated_servicer_class() -> type:
                 logger.info("Generate %s refused: %s", request.request_id, reason)
                 yield vllm_engine_pb2.GenerateResponse(complete=refused_complete(len(request.tokenized.input_ids)))
                 return
+            if request.HasField("kv_transfer_params_json"):
+                try:  # the stock servicer's json.loads has no depth bound: a hostile value is refused here
+                    kv_transfer_params_object(request.kv_transfer_params_json)
+                except KvTransferParamsError as e:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             try:
                 start = asked_start(context.invocation_metadata())
             except BadRoutedExpertsAsk as e:

@@ -257,6 +257,25 @@ def test_a_source_killed_before_the_pull_recomputes_exactly(vllm_model_dir, vllm
         stop_processes([source.proc])
 
 
+@pytest.mark.parametrize("params", ["[" * 5000, '{"a": ' * 3000 + "1" + "}" * 3000])
+def test_kv_transfer_params_that_do_not_parse_within_bounds_are_invalid_argument(vllm_pair, params: str) -> None:
+    """Refused before the stock servicer's unbounded json.loads (a field the connector cannot use only makes it
+    recompute)."""
+    request = greedy_request("bad-params", _prompt(5), 2)
+    request.kv_transfer_params_json = params
+
+    async def call() -> grpc.StatusCode:
+        async with grpc.aio.insecure_channel(_target(vllm_pair[0])) as channel:
+            try:
+                async for _ in pb_grpc.VllmEngineStub(channel).Generate(request, timeout=60):
+                    pass
+            except grpc.aio.AioRpcError as e:
+                return e.code()
+        return grpc.StatusCode.OK
+
+    assert asyncio.run(call()) == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_a_layout_mismatch_recomputes(vllm_model_dir, vllm_pair, weights, log_dir) -> None:
     a = _target(vllm_pair[0])
     prompt = _prompt(4001)

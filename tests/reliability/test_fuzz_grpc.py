@@ -327,7 +327,9 @@ def _copy_fields(dst: Any, src: Any, names: list[str]) -> None:
     for name in names:
         dst.ClearField(name)
         f = dst.DESCRIPTOR.fields_by_name[name]
-        if f.is_repeated:
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            getattr(dst, name).MergeFrom(getattr(src, name))  # a map field: no add() on it
+        elif f.is_repeated:
             getattr(dst, name).extend(getattr(src, name)) if f.message_type is None else [
                 getattr(dst, name).add().CopyFrom(m) for m in getattr(src, name)
             ]
