@@ -43,14 +43,15 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.v_proj.weight": (kv_out, h),
                 p + "self_attn.v_proj.bias": (kv_out,),
                 p + "self_attn.o_proj.weight": (h, q_out),
-                p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,),
             }
         )
+        # In this order (the MLP before the norms): seeded weights are drawn tensor by tensor in it.
         if config.is_sparse_layer(i):
             shapes.update(_moe_shapes(config, p + "mlp."))
         else:
             shapes.update(_mlp_shapes(p + "mlp.", h, config.intermediate_size))
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
