@@ -154,6 +154,7 @@ def vllm_hermes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any,
     yield ParserManager.get_parser(tool_parser_name="hermes", enable_auto_tools=True, tokenizer=tok), tok
 
 
+@pytest.mark.vllm  # needs vLLM itself: runs in the vLLM stage
 @pytest.mark.parametrize(
     ("tool_choice", "parallel", "strict"),
     [("required", None, False), ("required", False, False), (NAMED, None, False), ("required", None, True)],
@@ -172,6 +173,7 @@ def test_the_structural_tag_is_the_one_vllm_sends(vllm_hermes, tool_choice: Any,
     assert ours == theirs
 
 
+@pytest.mark.vllm  # needs vLLM itself: runs in the vLLM stage
 @pytest.mark.parametrize(
     "text", [" astersaus", "  Hello there.\n", "\n", "Hi <tool_call>{oops}</tool_call> ", "a < b", "  <think>cut"]
 )
