@@ -61,6 +61,7 @@ from psrl.router.selector import AdmissionHook, PassThroughAdmission, Selector, 
 from psrl.router.tito_bridge import TitoBridge
 from psrl.router.tokenizers import TokenizerStore
 from psrl.router.worker_client import WorkerClients
+from psrl.serving import may_hold_surrogates
 from psrl.tokenizer import Tokenizer
 
 logger = logging.getLogger("psrl.router")
@@ -549,7 +550,7 @@ class RouterApp:
                 chat_body = to_chat(body)
             except ApiShapeError as e:
                 raise BadRequest(e.message, param=e.param) from None
-        chat = P.parse_chat(chat_body)
+        chat = P.parse_chat(chat_body, check_texts=may_hold_surrogates(raw))
         return raw, body, meta, chat, resolve_model(self.registry, chat.model), new_request_id("chatcmpl")
 
     def _tito_turn(self, request: Request) -> tuple[str, int] | None:

@@ -14,6 +14,8 @@ import numpy as np
 # recursion limit, so neither json.loads nor later code that walks the value (json.dumps, templates) recurses
 # out of stack.
 MAX_JSON_DEPTH = 256
+# A decoded str can hold a lone surrogate only through a \uD800-\uDFFF escape (UTF-8 has no bytes for one).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
 _NOT_BRACKETS = bytes(range(256)).translate(None, b"[]{}")
@@ -76,3 +78,9 @@ def loads_bounded(raw: bytes | str) -> Any:
     except ValueError:  # the only other ValueError json raises: int() refusing a very long literal
         detail = f"an integer literal longer than {sys.get_int_max_str_digits()} digits"
         raise JsonBodyError(f"request body has {detail}", detail) from None
+
+
+def may_hold_surrogates(raw: bytes) -> bool:
+    """Whether JSON `raw` may decode to a string with a surrogate: only then need its strings be checked
+    (a C-speed scan of the bytes instead of a walk over every decoded string)."""
+    return _SURROGATE_ESCAPE.search(raw) is not None

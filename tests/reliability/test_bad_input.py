@@ -61,10 +61,10 @@ def test_malformed_requests_are_400(router, path, kwargs, status, words) -> None
 @pytest.mark.parametrize(
     ("path", "body", "words"),
     [
-        ("/generate", {"input_ids": [1, True]}, ["input_ids", "boolean"]),
-        ("/generate", {"input_ids": [[1, 2], [False]]}, ["input_ids", "boolean"]),
-        ("/v1/completions", {"prompt": [1, True], "max_tokens": 2}, ["prompt", "boolean"]),
-        ("/v1/chat/completions", {"messages": MSG, "stop_token_ids": [True]}, ["stop_token_ids", "boolean"]),
+        ("/generate", {"input_ids": [1, True]}, ["token ids", "booleans", "input_ids"]),
+        ("/generate", {"input_ids": [[1, 2], [False]]}, ["token ids", "booleans"]),
+        ("/v1/completions", {"prompt": [1, True], "max_tokens": 2}, ["token ids", "booleans"]),
+        ("/v1/chat/completions", {"messages": MSG, "stop_token_ids": [True]}, ["booleans", "stop_token_ids"]),
         ("/generate", {"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [True]}}, ["stop_token_ids"]),
     ],
 )

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from psrl.serving import MAX_JSON_DEPTH, JsonBodyError, loads_bounded
+from psrl.serving import MAX_JSON_DEPTH, JsonBodyError, loads_bounded, may_hold_surrogates
 from psrl.serving.json_body import nesting_depth_exceeds
 
 
@@ -55,3 +55,9 @@ def test_values_parse_as_json_loads_does() -> None:
         raw = json.dumps(value).encode()
         assert loads_bounded(raw) == json.loads(raw)
     assert loads_bounded('{"a": 1}'.encode("utf-16")) == {"a": 1}
+
+
+def test_only_a_surrogate_escape_makes_a_body_need_its_strings_checked() -> None:
+    assert may_hold_surrogates(b'{"content": "ok \\ud800"}') and may_hold_surrogates(b'["\\uDFFF"]')
+    assert may_hold_surrogates(b'["\\ud83d\\ude00"]')  # a pair: checked, and found valid
+    assert not may_hold_surrogates('{"content": "caf\u00e9 \U0001f600 \\u00e9 \\uE000"}'.encode())

@@ -121,13 +121,16 @@ class GenerationInput:
     routed_experts_start: int | None = None
 
     def to_proto(self, dp_rank: int) -> vllm_engine_pb2.GenerateRequest:
-        request = vllm_engine_pb2.GenerateRequest(
-            request_id=self.request_id,
-            tokenized=vllm_engine_pb2.TokenizedInput(input_ids=self.prompt_ids),
-            sampling_params=self.sampling.to_proto(),
-            stream=self.stream,
-            data_parallel_rank=dp_rank,
-        )
+        try:
+            request = vllm_engine_pb2.GenerateRequest(
+                request_id=self.request_id,
+                tokenized=vllm_engine_pb2.TokenizedInput(input_ids=self.prompt_ids),
+                sampling_params=self.sampling.to_proto(),
+                stream=self.stream,
+                data_parallel_rank=dp_rank,
+            )
+        except TypeError as e:  # JSON true/false in a token-id list: array('I') took them as 1/0, protobuf does not
+            raise BadRequest(f"token ids must be integers, not booleans: {e}") from None
         # proto3 `optional`: assigning "" marks the field present, and vLLM's servicer then parses it as JSON.
         if self.kv_transfer_params_json:
             request.kv_transfer_params_json = self.kv_transfer_params_json

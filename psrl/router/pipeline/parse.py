@@ -123,7 +123,8 @@ def get_str(body: dict[str, Any], name: str, default: str | None) -> str | None:
 
 
 def get_token_ids(value: Any, name: str) -> list[int]:
-    """Validated in C: array('I') refuses non-integers and anything outside [0, 2**32), the type scan booleans."""
+    """Validated in C: array('I') refuses non-integers and anything outside [0, 2**32). It takes true/false as
+    1/0: those are refused where the request becomes a proto (GenerationInput.to_proto), at no cost here."""
     if not isinstance(value, list):
         raise BadRequest(f"'{name}' must be a list of integer token ids", param=name)
     try:
@@ -132,8 +133,6 @@ def get_token_ids(value: Any, name: str) -> list[int]:
         raise BadRequest(f"'{name}' must be a list of integer token ids", param=name) from None
     except OverflowError:
         raise BadRequest(f"'{name}' holds a negative or too large token id", param=name) from None
-    if bool in map(type, value):  # array('I') takes true/false as 1/0; protobuf refuses them
-        raise BadRequest(f"'{name}' must be a list of integer token ids, got a boolean", param=name)
     return value
 
 
@@ -305,7 +304,9 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def parse_chat(body: dict[str, Any]) -> ChatRequest:
+def parse_chat(body: dict[str, Any], *, check_texts: bool = True) -> ChatRequest:
+    """`check_texts`: walk every string the template may render for lone surrogates (False when the raw body
+    cannot hold one: psrl.serving.may_hold_surrogates)."""
     max_tokens = get_int(body, "max_completion_tokens", None, minimum=1, maximum=UINT32_MAX)
     if max_tokens is None:
         max_tokens = get_int(body, "max_tokens", None, minimum=1, maximum=UINT32_MAX)
@@ -339,8 +340,9 @@ def parse_chat(body: dict[str, Any]) -> ChatRequest:
         )
     messages = _messages(body)
     # Every string the template may render (content, parts, tool arguments, names, tools, template variables).
-    for name, value in (("messages", body["messages"]), ("tools", tools), ("chat_template_kwargs", kwargs)):
-        check_json_text(value, name)
+    if check_texts:
+        for name, value in (("messages", body["messages"]), ("tools", tools), ("chat_template_kwargs", kwargs)):
+            check_json_text(value, name)
     include_usage, continuous_usage = _stream_usage(body)
     return ChatRequest(
         model=get_str(body, "model", None),
