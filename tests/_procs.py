@@ -85,6 +85,16 @@ def start_replica(
     return _start_announced("psrl.worker", cmd, log, "PSRL_WORKER_READY", timeout_s)
 
 
+def start_named_replicas(folders: dict[str, Path], log_dir: Path, started: list[subprocess.Popen]) -> list[Proc]:
+    """A replica per served model name (and its folder); each process joins `started` (the caller stops them)
+    as soon as it runs, so one failing to start leaves none behind."""
+    replicas = []
+    for name, folder in folders.items():
+        replicas.append(start_replica(folder, log_dir, args=["--served-model-name", name]))
+        started.append(replicas[-1].proc)
+    return replicas
+
+
 def start_psmanager(log_dir: Path, *, port: int = 0, args: list[str] | None = None, timeout_s: float = 60.0) -> Proc:
     log = log_dir / f"psmanager-{time.monotonic_ns()}.log"
     cmd = ["--port", str(port), *(args or [])]

@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from _procs import Proc, start_replica, start_router, start_session_router
+from _procs import Proc, start_named_replicas, start_router, start_session_router
 from session._agent_model import LOOKUP_TOOL, TOOL_NAME, AgentModel, build_agent_model_folder
 
 from psrl.gateway.processes import stop_processes
@@ -137,10 +137,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, log_dir: Pa
     folders = {PLAIN: model_dir, TOOLS: agent_model.path}
     procs = []
     try:
-        replicas = []
-        for name, folder in folders.items():
-            replicas.append(start_replica(folder, log_dir, args=["--served-model-name", name]))
-            procs.append(replicas[-1].proc)
+        replicas = start_named_replicas(folders, log_dir, procs)
         # The router's TITO defaults: what a user gets without asking for anything.
         router = start_router(log_dir, [r.url for r in replicas])
         procs.insert(0, router.proc)

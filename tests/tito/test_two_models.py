@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from _procs import start_replica, start_router
+from _procs import start_named_replicas, start_router
 
 from psrl.gateway.processes import stop_processes
 from psrl.tito import build_training_arrays
@@ -43,10 +43,7 @@ def models(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, log_dir: P
     folders = {"model-a": model_dir, "model-b": _model_b_folder(tmp_path_factory.mktemp("model-b"))}
     procs = []
     try:
-        replicas = []
-        for name, folder in folders.items():
-            replicas.append(start_replica(folder, log_dir, args=["--served-model-name", name]))
-            procs.append(replicas[-1].proc)
+        replicas = start_named_replicas(folders, log_dir, procs)
         router = start_router(log_dir, [r.url for r in replicas])
         procs.insert(0, router.proc)
         served = {m["id"] for m in httpx.get(f"{router.url}/v1/models").json()["data"]}
