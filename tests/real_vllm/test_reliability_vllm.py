@@ -1,0 +1,138 @@
+"""Issue 12's failure behaviour in front of real vLLM: a client that leaves aborts its generation on a stock and
+on our vLLM replica, and PSRL requests on a vLLM replica killed mid-decode continue on another one exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from _http_raw import connect
+from _procs import Proc, replica_busy, start_router, wait_for
+from _vllm import start_vllm_replica
+
+from psrl.gateway.processes import stop_processes
+
+LONG = 1500  # tokens: seconds of decoding on vLLM's CPU build, far longer than the client stays
+
+
+@pytest.fixture(scope="module", params=["stock", "ours"])
+def replica(request: pytest.FixtureRequest) -> Proc:
+    if request.param == "stock":
+        return request.getfixturevalue("stock_vllm")
+    return request.getfixturevalue("vllm_pair")[0]
+
+
+@pytest.fixture(scope="module")
+def router(replica: Proc, log_dir: Path) -> Iterator[Proc]:
+    proc = start_router(log_dir, [replica.url])
+    yield proc
+    stop_processes([proc.proc])
+
+
+def _answered(router: Proc, route: str) -> float:
+    """Requests on `route` the router answered 200 (its own metric)."""
+    sample = f'psrl_router_requests_total{{route="{route}",status="200"}} '
+    text = httpx.get(f"{router.url}/metrics", timeout=10).text
+    return sum(float(line[len(sample) :]) for line in text.splitlines() if line.startswith(sample))
+
+
+def _inflight(router: Proc) -> int:
+    return sum(
+        i["inflight_requests"] for w in httpx.get(f"{router.url}/workers").json()["workers"] for i in w["instances"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/generate", {"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": LONG, "ignore_eos": True, "stream": True},
+        ),
+    ],
+    ids=["generate", "chat-streamed"],
+)
+def test_a_client_that_leaves_aborts_its_generation_on_vllm(
+    router: Proc, replica: Proc, route: str, body: dict
+) -> None:
+    wait_for(lambda: replica_busy(replica.url) == 0 and _inflight(router) == 0, timeout_s=60)
+    before = _answered(router, route)
+    data = json.dumps(body).encode()
+    head = f"POST {route} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    sock = connect(router.url)
+    try:
+        sock.sendall(head.encode() + data)
+        wait_for(lambda: replica_busy(replica.url) > 0, timeout_s=60)
+        if body.get("stream"):  # the stream has begun (its 200 counted) before the client leaves
+            received = b""
+            while b"\r\n\r\n" not in received:
+                received += sock.recv(4096)
+    finally:
+        sock.close()
+    wait_for(lambda: replica_busy(replica.url) == 0 and _inflight(router) == 0, timeout_s=60)
+    # A non-streamed handler that ran on to its answer would have counted a 200: it was cancelled instead.
+    assert _answered(router, route) == before + (1 if body.get("stream") else 0)
+
+
+def _psrl(i: int, worker_id: str) -> dict[str, str]:
+    return {
+        "x-request-id": str(i),
+        "x-prompt-id": str(i),
+        "x-base-worker-id": worker_id,
+        "x-target-dp-rank": "0",
+        "x-is-sticky": "true",  # every request starts on the replica the test kills
+    }
+
+
+def test_psrl_requests_on_a_vllm_replica_killed_mid_decode_continue_exactly(
+    vllm_model_dir: Path, vllm_pair: list[Proc], log_dir: Path
+) -> None:
+    victim = start_vllm_replica(vllm_model_dir, log_dir)
+    router = start_router(log_dir, [victim.url, vllm_pair[1].url])
+    n = 400
+    body = {
+        "input_ids": [21, 22, 23, 24],
+        "sampling_params": {"max_new_tokens": n, "ignore_eos": True, "temperature": 0},
+        "return_logprob": True,
+    }
+    try:
+        expected = httpx.post(f"{router.url}/generate", json=body, timeout=300).json()["output_ids"]
+        [wid] = [w["worker_id"] for w in httpx.get(f"{router.url}/workers").json()["workers"] if w["url"] == victim.url]
+        results: dict[int, httpx.Response] = {}
+        streamed: list[str] = []
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": n, "ignore_eos": True}
+        chat |= {"temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+
+        def one(i: int) -> None:
+            results[i] = httpx.post(f"{router.url}/generate", json=body, headers=_psrl(i, wid), timeout=300)
+
+        def stream() -> None:
+            url = f"{router.url}/v1/chat/completions"
+            with httpx.stream("POST", url, json=chat, headers=_psrl(99, wid), timeout=300) as r:
+                streamed.extend(line[6:] for line in r.iter_lines() if line.startswith("data: "))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(2)] + [threading.Thread(target=stream)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: replica_busy(victim.url) == 3, timeout_s=60)
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        for t in threads:
+            t.join(300)
+        for i in range(2):
+            assert results[i].status_code == 200, results[i].text
+            out = results[i].json()
+            assert out["output_ids"] == expected and len(out["meta_info"]["output_token_logprobs"]) == n
+        assert streamed[-1] == "[DONE]" and not any('"error"' in e for e in streamed)
+        assert json.loads(streamed[-2])["usage"]["completion_tokens"] == n
+        log = router.log_text()
+        assert "continues elsewhere" in log and "starts again" in log
+        wait_for(lambda: _inflight(router) == 0, timeout_s=30)
+    finally:
+        stop_processes([router.proc, victim.proc])
