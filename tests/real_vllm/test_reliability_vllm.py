@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from _http_raw import connect
@@ -136,3 +137,21 @@ def test_psrl_requests_on_a_vllm_replica_killed_mid_decode_continue_exactly(
         wait_for(lambda: _inflight(router) == 0, timeout_s=30)
     finally:
         stop_processes([router.proc, victim.proc])
+
+
+@pytest.mark.parametrize(
+    ("method", "kind"),
+    [("/vllm.grpc.engine.VllmEngine/Generate", "stream"), ("/vllm.grpc.engine.VllmEngine/GetLoads", "unary")],
+)
+def test_bytes_that_are_not_the_request_are_invalid_argument_on_a_vllm_replica(
+    vllm_pair: list[Proc], method: str, kind: str
+) -> None:
+    """The stock servicer's methods too: the replica's server parses each request inside its handler."""
+    with grpc.insecure_channel(vllm_pair[0].url.removeprefix("grpc://")) as channel:
+        bad = b"\x0a\xff\xff\xff\xff\x07"  # a length-delimited field claiming far more bytes than follow
+        call = channel.unary_stream(method) if kind == "stream" else channel.unary_unary(method)
+        with pytest.raises(grpc.RpcError) as e:
+            result = call(bad, timeout=30)
+            if kind == "stream":
+                list(result)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
