@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from _wait import wait_for
 
 from psrl.gateway.processes import stop_processes
 
@@ -112,34 +113,25 @@ def start_session_router(
 def start_router(
     log_dir: Path, worker_urls: list[str], *, args: list[str] | None = None, timeout_s: float = 60.0
 ) -> Proc:
-    port = free_port()
-    log = log_dir / f"router-{port}.log"
-    cmd = ["--port", str(port), "--health-interval-s", "0.5", "--health-failure-threshold", "1", *(args or [])]
+    """A router on a port of its own (`--port 0`, read from its ready line), once every worker given registered."""
+    log = log_dir / f"router-{time.monotonic_ns()}.log"
+    cmd = ["--port", "0", "--health-interval-s", "0.5", "--health-failure-threshold", "1", *(args or [])]
     if worker_urls:
         cmd += ["--worker-urls", *worker_urls]
-    proc = _spawn("psrl.router", cmd, log)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"router exited with {proc.returncode}:\n{log.read_text(errors='replace')}")
-        try:
-            r = httpx.get(f"{url}/health", timeout=1.0)
-            if r.status_code == 200 and r.json()["workers"] >= len(worker_urls):
-                return Proc(proc, url, log)
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    stop_processes([proc])
-    raise TimeoutError(f"router not ready in {timeout_s}s:\n{log.read_text(errors='replace')}")
+    router = _start_announced("psrl.router", cmd, log, "PSRL_ROUTER_READY", timeout_s)
 
+    def registered() -> bool:
+        if not router.alive():
+            raise RuntimeError(f"router exited with {router.proc.returncode}:\n{router.log_text()}")
+        r = httpx.get(f"{router.url}/health", timeout=5.0)
+        return r.status_code == 200 and r.json()["workers"] >= len(worker_urls)
 
-def wait_for(predicate, timeout_s: float = 30.0, poll_s: float = 0.02) -> None:
-    """Poll until `predicate()` is true; an assertion error after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(poll_s)
+    try:
+        wait_for(registered, f"the router's {len(worker_urls)} workers registered", timeout_s=timeout_s, poll_s=0.2)
+    except AssertionError as e:
+        stop_processes([router.proc])
+        raise AssertionError(f"{e}:\n{router.log_text()}") from None
+    return router
 
 
 def replica_busy(url: str) -> int:

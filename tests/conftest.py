@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny model folder, and real replica/router processes on loopback."""
+"""Shared fixtures: the tiny model folder, and real replica/router processes on loopback. Tests that start real
+processes are marked `procs` (`-m 'not procs'` runs the pure ones alone)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,39 @@ from _procs import Proc, start_replica, start_router
 from psrl.gateway.processes import stop_processes
 from psrl.tokenizer import Tokenizer
 from psrl.worker.model_folder import build_tiny_model_folder
+
+# Names a test module or fixture uses to start a real process: our starters, and the modules that spawn one.
+PROCESS_STARTERS = frozenset(
+    {
+        "start_replica",
+        "start_named_replicas",
+        "start_router",
+        "start_psmanager",
+        "start_session_router",
+        "start_stock_vllm",
+        "start_vllm_replica",
+        "spawn_module",
+        "subprocess",
+        "multiprocessing",
+    }
+)
+
+
+def _starts_processes(item: pytest.Item) -> bool:
+    """Whether the test's module holds a process starter, or one of its fixtures calls one."""
+    module = getattr(item, "module", None)
+    if module is not None and PROCESS_STARTERS & vars(module).keys():
+        return True
+    fixtures = getattr(item, "_fixtureinfo", None)
+    defs = fixtures.name2fixturedefs.values() if fixtures is not None else ()
+    return any(PROCESS_STARTERS & set(d.func.__code__.co_names) for ds in defs for d in ds)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _starts_processes(item):
+            item.add_marker(pytest.mark.procs)
 
 
 @pytest.fixture(scope="session")

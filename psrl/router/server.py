@@ -1,4 +1,5 @@
-"""`python -m psrl.router`: serve the router on uvicorn (uvloop + httptools, bounded per connection)."""
+"""`python -m psrl.router`: serve the router on uvicorn (uvloop + httptools, bounded per connection). Once it
+listens it prints `PSRL_ROUTER_READY <url>` on stdout, with the port it got when started with `--port 0`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from psrl.router.config import RouterConfig, parse_args
 from psrl.router.errors import BadRequest
 from psrl.router.logs import configure_logging
 from psrl.serving import guarded_protocol
+from psrl.serving.server import AnnouncingServer, run_server
+
+READY_MARKER = "PSRL_ROUTER_READY"
 
 
 def render_error(code: str, message: str) -> bytes:
@@ -19,20 +23,23 @@ def render_error(code: str, message: str) -> bytes:
 
 
 def run(config: RouterConfig) -> None:
-    app = RouterApp(config).app
-    uvicorn.run(
-        app,
-        host=config.host,
-        port=config.port,
-        loop="uvloop",
-        http=guarded_protocol(config.http_limits(), render_error),
-        ws="none",
-        log_level=config.log_level,
-        log_config=None,  # keep our structured handler
-        access_log=False,
-        timeout_keep_alive=30,
-        timeout_graceful_shutdown=config.graceful_shutdown_timeout_s,
+    server = AnnouncingServer(
+        uvicorn.Config(
+            RouterApp(config).app,
+            host=config.host,
+            port=config.port,
+            loop="uvloop",
+            http=guarded_protocol(config.http_limits(), render_error),
+            ws="none",
+            log_level=config.log_level,
+            log_config=None,  # keep our structured handler
+            access_log=False,
+            timeout_keep_alive=30,
+            timeout_graceful_shutdown=config.graceful_shutdown_timeout_s,
+        ),
+        READY_MARKER,
     )
+    run_server(server)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -219,7 +219,11 @@ def abort_while_running(replica: Replica, req: vllm_engine_pb2.GenerateRequest) 
     done: list[Outcome] = []
     caller = threading.Thread(target=lambda: done.append(generate(replica, req)))
     caller.start()
-    wait_for(lambda: bool(done) or replica.running() > 0, timeout_s=TIMEOUT_S)
+    wait_for(
+        lambda: bool(done) or replica.running() > 0,
+        "the request running on the replica (or already answered)",
+        timeout_s=TIMEOUT_S,
+    )
     time.sleep(ABORT_AFTER_S)
     _abort(replica, req.request_id)
     caller.join(TIMEOUT_S)
@@ -805,7 +809,7 @@ INFO_FIELDS = [
 @pytest.fixture(scope="module")
 def info(replicas: tuple[Replica, Replica]) -> dict[str, tuple[Message, Message]]:
     """Each answer of INFO from (vLLM, ours), both idle."""
-    wait_for(lambda: all(r.running() == 0 for r in replicas), timeout_s=TIMEOUT_S)
+    wait_for(lambda: all(r.running() == 0 for r in replicas), "every replica idle", timeout_s=TIMEOUT_S)
     return {name: (fetch(replicas[0].stub), fetch(replicas[1].stub)) for name, (fetch, _, _) in INFO.items()}
 
 

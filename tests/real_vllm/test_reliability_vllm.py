@@ -63,21 +63,29 @@ def _inflight(router: Proc) -> int:
 def test_a_client_that_leaves_aborts_its_generation_on_vllm(
     router: Proc, replica: Proc, route: str, body: dict
 ) -> None:
-    wait_for(lambda: replica_busy(replica.url) == 0 and _inflight(router) == 0, timeout_s=60)
+    wait_for(
+        lambda: replica_busy(replica.url) == 0 and _inflight(router) == 0,
+        "the replica and the router idle",
+        timeout_s=60,
+    )
     before = _answered(router, route)
     data = json.dumps(body).encode()
     head = f"POST {route} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
     sock = connect(router.url)
     try:
         sock.sendall(head.encode() + data)
-        wait_for(lambda: replica_busy(replica.url) > 0, timeout_s=60)
+        wait_for(lambda: replica_busy(replica.url) > 0, "the request generating on the replica", timeout_s=60)
         if body.get("stream"):  # the stream has begun (its 200 counted) before the client leaves
             received = b""
             while b"\r\n\r\n" not in received:
                 received += sock.recv(4096)
     finally:
         sock.close()
-    wait_for(lambda: replica_busy(replica.url) == 0 and _inflight(router) == 0, timeout_s=60)
+    wait_for(
+        lambda: replica_busy(replica.url) == 0 and _inflight(router) == 0,
+        "the replica and the router idle",
+        timeout_s=60,
+    )
     # A non-streamed handler that ran on to its answer would have counted a 200: it was cancelled instead.
     assert _answered(router, route) == before + (1 if body.get("stream") else 0)
 
@@ -122,7 +130,7 @@ def test_psrl_requests_on_a_vllm_replica_killed_mid_decode_continue_exactly(
         threads = [threading.Thread(target=one, args=(i,)) for i in range(2)] + [threading.Thread(target=stream)]
         for t in threads:
             t.start()
-        wait_for(lambda: replica_busy(victim.url) == 3, timeout_s=60)
+        wait_for(lambda: replica_busy(victim.url) == 3, "three requests running on the victim replica", timeout_s=60)
         os.kill(victim.proc.pid, signal.SIGKILL)
         for t in threads:
             t.join(300)
@@ -134,7 +142,7 @@ def test_psrl_requests_on_a_vllm_replica_killed_mid_decode_continue_exactly(
         assert json.loads(streamed[-2])["usage"]["completion_tokens"] == n
         log = router.log_text()
         assert "continues elsewhere" in log and "starts again" in log
-        wait_for(lambda: _inflight(router) == 0, timeout_s=30)
+        wait_for(lambda: _inflight(router) == 0, "no request in flight in the router", timeout_s=30)
     finally:
         stop_processes([router.proc, victim.proc])
 

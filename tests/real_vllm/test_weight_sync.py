@@ -109,7 +109,7 @@ def test_concurrent_requests_lose_no_token_over_three_syncs(router: Proc, weight
                 await asyncio.sleep(0.02)
             for version in (2, 3, 4):
                 await coordinator.sync_weights(version, path=weights)
-                await asyncio.sleep(0.2)
+                await asyncio.sleep(0.2)  # the syncs spread over the load (what is tested), not back to back
             results = await asyncio.gather(*load)
         interrupted = 0
         for i, r in enumerate(results):

@@ -45,14 +45,14 @@ def _inflight(router: Proc) -> int:
     ids=["generate", "chat", "chat-streamed"],
 )
 def test_departed_client_aborts_its_generation(router: Proc, replica: Proc, route: str, body: dict) -> None:
-    wait_for(lambda: replica_busy(replica.url) == 0 and _inflight(router) == 0)
+    wait_for(lambda: replica_busy(replica.url) == 0 and _inflight(router) == 0, "the replica and the router idle")
     done_before = _completed(router, route)
     data = json.dumps(body).encode()
     head = f"POST {route} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
     sock = connect(router.url)
     try:
         sock.sendall(head.encode() + data)
-        wait_for(lambda: replica_busy(replica.url) > 0)  # generating
+        wait_for(lambda: replica_busy(replica.url) > 0, "the request generating on the replica")  # generating
         if body.get("stream"):  # the stream has begun (its 200 is counted) before the client leaves
             sock.settimeout(30)
             received = b""
@@ -61,8 +61,10 @@ def test_departed_client_aborts_its_generation(router: Proc, replica: Proc, rout
             assert received.startswith(b"HTTP/1.1 200")
     finally:
         sock.close()  # the client leaves
-    wait_for(lambda: replica_busy(replica.url) == 0, timeout_s=60)
-    wait_for(lambda: _inflight(router) == 0, timeout_s=30)
+    wait_for(
+        lambda: replica_busy(replica.url) == 0, "the replica idle (the departed client's request aborted)", timeout_s=60
+    )
+    wait_for(lambda: _inflight(router) == 0, "no request in flight in the router", timeout_s=30)
     # the router still serves, and the departed request was never answered: its handler was cancelled
     short = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
     assert httpx.post(f"{router.url}/generate", json=short, timeout=60).status_code == 200
@@ -82,7 +84,7 @@ def session_router(router: Proc, log_dir) -> Iterator[Proc]:
 def test_an_agent_that_leaves_mid_turn_aborts_the_turn_through_the_session_router(
     session_router: Proc, router: Proc, replica: Proc
 ) -> None:
-    wait_for(lambda: replica_busy(replica.url) == 0 and _inflight(router) == 0)
+    wait_for(lambda: replica_busy(replica.url) == 0 and _inflight(router) == 0, "the replica and the router idle")
     sid = httpx.post(f"{session_router.url}/sessions", timeout=30).json()["session_id"]
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": LONG, "ignore_eos": True}
     data = json.dumps(body).encode()
@@ -91,11 +93,13 @@ def test_an_agent_that_leaves_mid_turn_aborts_the_turn_through_the_session_route
     sock = connect(session_router.url)
     try:
         sock.sendall(head.encode() + data)
-        wait_for(lambda: replica_busy(replica.url) > 0)
+        wait_for(lambda: replica_busy(replica.url) > 0, "the request generating on the replica")
     finally:
         sock.close()
-    wait_for(lambda: replica_busy(replica.url) == 0, timeout_s=60)
-    wait_for(lambda: _inflight(router) == 0, timeout_s=30)
+    wait_for(
+        lambda: replica_busy(replica.url) == 0, "the replica idle (the departed client's request aborted)", timeout_s=60
+    )
+    wait_for(lambda: _inflight(router) == 0, "no request in flight in the router", timeout_s=30)
     # The session serves its next turn, and the abandoned one left no record behind.
     short = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     r = httpx.post(f"{session_router.url}{path}", json=short, timeout=60)

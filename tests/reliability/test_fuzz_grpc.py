@@ -524,7 +524,7 @@ def _replica_still_serves(run: GrpcRun, replica: Proc) -> list[str]:
     if health.status != health_pb2.HealthCheckResponse.SERVING:
         problems.append(f"health after the fuzz: {health}")
     try:
-        wait_for(lambda: replica_busy(replica.url) == 0, timeout_s=20, poll_s=0.1)
+        wait_for(lambda: replica_busy(replica.url) == 0, "the replica idle", timeout_s=20, poll_s=0.1)
     except AssertionError:
         problems.append(f"replica still has {replica_busy(replica.url)} running+waiting requests 20s after the fuzz")
     return problems

@@ -145,7 +145,10 @@ def test_sigterm_stops_a_router_with_a_request_that_never_ends(replica: Proc, lo
     )
     sock = _hold_open(router.url, head.encode() + body)  # no instance has version 7: it waits in the queue
     try:
-        wait_for(lambda: httpx.get(f"{router.url}/routing_loop/status", timeout=5).json()["queue_len"] == 1)
+        wait_for(
+            lambda: httpx.get(f"{router.url}/routing_loop/status", timeout=5).json()["queue_len"] == 1,
+            "one request queued in the routing loop",
+        )
         router.proc.send_signal(signal.SIGTERM)
         router.proc.wait(timeout=60)  # bound: the 1 s graceful timeout, then start-up's reverse
     finally:

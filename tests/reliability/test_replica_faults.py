@@ -61,7 +61,7 @@ def test_replica_dying_mid_stream_is_502_then_503(model_dir, log_dir) -> None:
 
         t = threading.Thread(target=long_request)
         t.start()
-        wait_for(lambda: "num_running_reqs: 1" in _loads(a.url))
+        wait_for(lambda: "num_running_reqs: 1" in _loads(a.url), "one request running on replica a")
         stop_processes([a.proc], timeout_s=0.1)
         t.join(60)
         r = result["resp"]
@@ -138,7 +138,7 @@ def test_psrl_requests_on_a_replica_killed_mid_decode_continue_on_another(model_
         threads = [threading.Thread(target=one, args=(i,)) for i in range(4)] + [threading.Thread(target=stream)]
         for t in threads:
             t.start()
-        wait_for(lambda: replica_busy(a.url) == 5)
+        wait_for(lambda: replica_busy(a.url) == 5, "five requests running on replica a")
         os.kill(a.proc.pid, signal.SIGKILL)
         for t in threads:
             t.join(180)
@@ -153,6 +153,9 @@ def test_psrl_requests_on_a_replica_killed_mid_decode_continue_on_another(model_
         log = router.log_text()
         assert "continues elsewhere" in log and "starts again" in log  # the streamed one, the non-streamed ones
         workers = lambda: httpx.get(f"{router.url}/workers").json()["workers"]  # noqa: E731
-        wait_for(lambda: all(i["inflight_requests"] == 0 for w in workers() for i in w["instances"]))
+        wait_for(
+            lambda: all(i["inflight_requests"] == 0 for w in workers() for i in w["instances"]),
+            "no request in flight on any instance",
+        )
     finally:
         stop_processes([a.proc, b.proc, router.proc])

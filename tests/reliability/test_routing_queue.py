@@ -51,7 +51,7 @@ def test_a_request_for_an_unsynced_version_holds_back_no_other(router: Proc) -> 
 
     t = threading.Thread(target=blocker)
     t.start()
-    wait_for(lambda: _status(router)["queue_len"] == 1)
+    wait_for(lambda: _status(router)["queue_len"] == 1, "one request queued in the routing loop")
     # Later in the queue's order (request id 2 > 1, unversioned after versioned), servable by any instance.
     for rid in (2, 3):
         r = httpx.post(f"{router.url}/generate", json=BODY, headers=_psrl(rid), timeout=30)
@@ -59,7 +59,7 @@ def test_a_request_for_an_unsynced_version_holds_back_no_other(router: Proc) -> 
     assert _status(router)["queue_len"] == 1
     t.join(30)
     assert "error" in gone
-    wait_for(lambda: _idle(router))  # the departed client's request left the queue
+    wait_for(lambda: _idle(router), "the routing loop idle")  # the departed client's request left the queue
     r = httpx.post(f"{router.url}/routing_loop/pause?wait=true", timeout=10)
     assert r.status_code == 200 and r.json()["paused"]
     assert httpx.post(f"{router.url}/routing_loop/resume", timeout=10).status_code == 200
@@ -73,7 +73,7 @@ def test_a_waiting_request_is_served_once_its_version_is_synced(router: Proc) ->
         )
     )
     t.start()
-    wait_for(lambda: _status(router)["queue_len"] == 1)
+    wait_for(lambda: _status(router)["queue_len"] == 1, "one request queued in the routing loop")
     r = httpx.post(f"{router.url}/generate", json=BODY, headers=_psrl(6), timeout=30)
     assert r.status_code == 200
     workers = httpx.get(f"{router.url}/workers").json()["workers"]
@@ -85,4 +85,4 @@ def test_a_waiting_request_is_served_once_its_version_is_synced(router: Proc) ->
     assert httpx.post(f"{router.url}/workers/update_weight_version", json=updates).json()["updated"] == len(updates)
     t.join(60)
     assert result["r"].status_code == 200 and result["r"].headers["x-version-tag"] == "3"
-    wait_for(lambda: _idle(router))
+    wait_for(lambda: _idle(router), "the routing loop idle")

@@ -116,7 +116,8 @@ def _head(method: str, path: str, host: str, length: int, extra: dict[str, str] 
 
 def leave(url: str, phase: str, path: str, body: dict, headers: dict[str, str] | None = None) -> None:
     """Send a request over a raw socket and close the connection at `phase`: before the body, halfway through
-    it, right after it, after the first streamed bytes, or (for a request the routing loop holds) while queued."""
+    it, right after it, after the first streamed bytes, or (for a request the routing loop holds) while queued.
+    The sleeps are the client holding its connection a moment before it leaves: the traffic being soaked."""
     host, port = _address(url)
     raw = json.dumps(body).encode()
     with socket.create_connection((host, port), timeout=10) as s:

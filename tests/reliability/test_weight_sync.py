@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 import random
 
+import grpc
 import httpx
 import pytest
+from _loads import wait_decoding
 from _procs import start_replica, start_router
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from psrl.coordinator import BlockingRolloutCoordinator, RolloutCoordinator, SyncError
 from psrl.gateway.processes import stop_processes
@@ -43,13 +46,13 @@ def _psrl(rid: int, version: int | None = None) -> dict[str, str]:
     return headers
 
 
-async def _wait_running(client: httpx.AsyncClient) -> str:
-    """The worker id the (single) running request sits on."""
+async def _wait_running(client: httpx.AsyncClient) -> tuple[str, str]:
+    """The worker id and URL the (single) running request sits on."""
     for _ in range(500):
         workers = (await client.get("/workers")).json()["workers"]
         for w in workers:
             if any(i["inflight_requests"] for i in w["instances"]):
-                return w["worker_id"]
+                return w["worker_id"], w["url"]
         await asyncio.sleep(0.01)
     raise AssertionError("the request never started")
 
@@ -65,8 +68,9 @@ def test_sync_interrupts_and_the_request_finishes_elsewhere_exactly(fleet) -> No
         ):
             reference = (await client.post("/generate", json=_body(n), headers=_psrl(1))).json()
             task = asyncio.ensure_future(client.post("/generate", json=_body(n), headers=_psrl(2)))
-            source = await _wait_running(client)
-            await asyncio.sleep(0.3)
+            source, source_url = await _wait_running(client)
+            async with grpc.aio.insecure_channel(source_url.removeprefix("grpc://")) as channel:
+                await wait_decoding(vllm_engine_pb2_grpc.VllmEngineStub(channel))  # tokens before the sync
             # Make the source look busy, so the loop-back goes to the other replica.
             await client.post(
                 "/workers/update_stats",
@@ -120,7 +124,7 @@ def test_many_requests_survive_ten_syncs_with_real_weight_changes(fleet) -> None
             while (await client.get("/routing_loop/status")).json()["running_request_num"] < 32:
                 await asyncio.sleep(0.02)
             for version in range(1, 11):
-                await asyncio.sleep(0.25)
+                await asyncio.sleep(0.25)  # the syncs spread over the load (what is tested), not back to back
                 await coordinator.sync_weights(version, seed=version)
                 current = version
             await asyncio.gather(*load)

@@ -58,7 +58,7 @@ def test_interrupted_request_finishes_elsewhere_with_identical_tokens(fleet) -> 
         )
     )
     t.start()
-    wait_for(lambda: replica_busy(a.url) + replica_busy(b.url) > 0)
+    wait_for(lambda: replica_busy(a.url) + replica_busy(b.url) > 0, "a replica runs the request")
     source = a if replica_busy(a.url) else b
     # worker ids follow the order registrations complete, not --worker-urls: look the id up by URL
     [source_id] = [w["id"] for w in httpx.get(f"{router.url}/workers").json()["workers"] if w["url"] == source.url]
@@ -112,15 +112,15 @@ def test_each_interrupted_choice_finishes_elsewhere_with_identical_tokens(fleet,
 
     t = threading.Thread(target=read)
     t.start()
-    wait_for(lambda: replica_busy(a.url) + replica_busy(b.url) > 0)
+    wait_for(lambda: replica_busy(a.url) + replica_busy(b.url) > 0, "a replica runs the request")
     source = a if replica_busy(a.url) else b
     [source_id] = [w["id"] for w in httpx.get(f"{router.url}/workers").json()["workers"] if w["url"] == source.url]
-    time.sleep(0.3)
+    wait_for(lambda: all(result["texts"]), "both choices streamed text")
     httpx.post(f"{router.url}/workers/pause", json=[{"base_worker_id": source_id}])
     with grpc.insecure_channel(source.url.removeprefix("grpc://")) as ch:  # what a weight sync does there
         control = replica_control_pb2_grpc.ReplicaControlStub(ch)
         paused = control.PauseGeneration(replica_control_pb2.PauseGenerationRequest(), timeout=10)
-        assert len(paused.aborted_request_ids) == 2  # both choices
+        assert len(paused.aborted_request_ids) == 2  # both choices, mid-decode
         t.join(120)
         control.ResumeGeneration(replica_control_pb2.ResumeGenerationRequest(), timeout=10)
     httpx.post(f"{router.url}/workers/resume", json=[{"base_worker_id": source_id}])
@@ -139,9 +139,8 @@ def test_pause_barrier_holds_new_requests_until_resume(fleet) -> None:
         )
     )
     t.start()
-    wait_for(lambda: httpx.get(f"{router.url}/routing_loop/status").json()["queue_len"] == 1)
-    time.sleep(0.3)
-    assert replica_busy(a.url) + replica_busy(b.url) == 0  # nothing reached a replica
+    wait_for(lambda: httpx.get(f"{router.url}/routing_loop/status").json()["queue_len"] == 1, "the request is queued")
+    assert replica_busy(a.url) + replica_busy(b.url) == 0  # held in the queue: nothing reached a replica
     assert httpx.get(f"{router.url}/routing_loop/filter?version_tag=-1").json() == [
         {"request_id": 7, "version_tag": -1, "prompt_id": 7, "is_validate": False}
     ]
@@ -162,7 +161,10 @@ def test_a_request_waits_for_its_version(fleet) -> None:
         )
     )
     t.start()
-    wait_for(lambda: httpx.get(f"{router.url}/routing_loop/filter?version_tag=5").json() != [])
+    wait_for(
+        lambda: httpx.get(f"{router.url}/routing_loop/filter?version_tag=5").json() != [],
+        "the loop lists a queued request of version <= 5",
+    )
     assert httpx.get(f"{router.url}/routing_loop/filter?version_tag=4").json() == []
     updates = [{"worker_id": w, "dp_rank": 0, "weight_version": 5} for w in ("0", "1")]
     assert httpx.post(f"{router.url}/workers/update_weight_version", json=updates).json()["updated"] == 2

@@ -1,4 +1,4 @@
-"""The router with the PSManager (stage 4, commit, dispatch check) over real processes, including the
+"""The router with the PSManager (the admission step, commit, dispatch check) over real processes, including the
 PSManager dying and coming back under load with nothing lost."""
 
 from __future__ import annotations

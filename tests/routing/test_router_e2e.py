@@ -199,11 +199,15 @@ def test_health_and_recovery_with_a_replica_killed_and_restarted(model_dir, log_
     try:
         stop_processes([a.proc])
         wait_for(
-            lambda: sorted(w["healthy"] for w in httpx.get(f"{router.url}/workers").json()["workers"]) == [False, True]
+            lambda: sorted(w["healthy"] for w in httpx.get(f"{router.url}/workers").json()["workers"]) == [False, True],
+            "the router marks the stopped worker unhealthy",
         )
         assert all(_gen(router).status_code == 200 for _ in range(4))  # all served by b
         a = start_replica(model_dir, log_dir, args=["--port", str(port)])
-        wait_for(lambda: all(w["healthy"] for w in httpx.get(f"{router.url}/workers").json()["workers"]))
+        wait_for(
+            lambda: all(w["healthy"] for w in httpx.get(f"{router.url}/workers").json()["workers"]),
+            "both workers are healthy again",
+        )
         served = {_gen(router).headers["x-base-worker-id"] for _ in range(4)}
         assert len(served) == 2  # back in rotation
     finally:
@@ -268,7 +272,8 @@ def test_http_mode_proxies_plain_openai_servers(model_dir, log_dir) -> None:
             for _ in range(3)
         )
         wait_for(
-            lambda: sorted(w["healthy"] for w in httpx.get(f"{front.url}/workers").json()["workers"]) == [False, True]
+            lambda: sorted(w["healthy"] for w in httpx.get(f"{front.url}/workers").json()["workers"]) == [False, True],
+            "the front router marks the dead worker unhealthy",
         )
         assert (
             httpx.post(

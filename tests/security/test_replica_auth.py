@@ -9,7 +9,6 @@ import asyncio
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -222,7 +221,10 @@ def test_tokens_and_the_registration_key_from_the_environment(
     replica = start_replica(model_dir, log_dir, args=["--router", router.url])
     try:
         headers = {"Authorization": "Bearer admin-key"}
-        wait_for(lambda: len(httpx.get(f"{router.url}/workers", headers=headers).json()["workers"]) == 1)
+        wait_for(
+            lambda: len(httpx.get(f"{router.url}/workers", headers=headers).json()["workers"]) == 1,
+            "the replica registered itself with the router",
+        )
         body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2, "temperature": 0, "detokenize": False}}
         assert httpx.post(f"{router.url}/generate", json=body, timeout=60).status_code == 200
         with grpc.insecure_channel(_target(replica)) as channel, pytest.raises(grpc.RpcError) as refused:
@@ -241,12 +243,18 @@ def _stats(p: Proc) -> kv_migration_pb2.KvMigrationStats:
         return stub.GetKvMigrationStats(kv_migration_pb2.GetKvMigrationStatsRequest(), metadata=_md(), timeout=5)
 
 
-def _busy(p: Proc) -> int:
+def _loads(p: Proc) -> list[vllm_engine_pb2.SchedulerLoad]:
     with grpc.insecure_channel(_target(p)) as ch:
-        loads = vllm_engine_pb2_grpc.VllmEngineStub(ch).GetLoads(
-            vllm_engine_pb2.GetLoadsRequest(), metadata=_md(), timeout=5
-        )
-    return sum(e.num_running_reqs + e.num_waiting_reqs for e in loads.loads)
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(ch)
+        return list(stub.GetLoads(vllm_engine_pb2.GetLoadsRequest(), metadata=_md(), timeout=5).loads)
+
+
+def _busy(p: Proc) -> int:
+    return sum(e.num_running_reqs + e.num_waiting_reqs for e in _loads(p))
+
+
+def _kv_tokens(p: Proc) -> int:
+    return sum(e.num_used_tokens for e in _loads(p))
 
 
 def _generate(router: Proc, rid: str, n: int, psrl_id: int) -> httpx.Response:
@@ -270,10 +278,11 @@ def test_kv_migration_between_tokened_replicas_moves_the_kv(fleet) -> None:
     result: dict = {}
     t = threading.Thread(target=lambda: result.update(r=_generate(router, "mig", 2000, 2)), daemon=True)
     t.start()
-    wait_for(lambda: _busy(a) + _busy(b) > 0)
+    wait_for(lambda: _busy(a) + _busy(b) > 0, "the request running on a replica")
     source, dest = (a, b) if _busy(a) else (b, a)
     [source_id] = [w["id"] for w in httpx.get(f"{router.url}/workers").json()["workers"] if w["url"] == source.url]
-    time.sleep(1.0)  # let it decode a while
+    started = _kv_tokens(source)
+    wait_for(lambda: _kv_tokens(source) > started, "the request decoded into a new KV block")
     httpx.post(f"{router.url}/workers/pause", json=[{"base_worker_id": source_id}])
     with grpc.insecure_channel(_target(source)) as ch:
         control = replica_control_pb2_grpc.ReplicaControlStub(ch)

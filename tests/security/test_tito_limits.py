@@ -59,7 +59,7 @@ def test_a_filled_store_takes_sessions_again_after_the_ttl(short_ttl_router) -> 
     assert r.headers["x-smg-error-code"] == "too_many_sessions"
 
     filled = time.monotonic()  # the router stamped each session's last use before it answered
-    wait_for(lambda: time.monotonic() > filled + TTL_S, timeout_s=30)
+    wait_for(lambda: time.monotonic() > filled + TTL_S, "the session TTL passed", timeout_s=30)
     r = _create(router)  # the idle sessions expired: room again
     assert r.status_code == 200, r.text
     assert _metric(router, "psrl_router_tito_sessions_expired_total") == 4
@@ -80,9 +80,14 @@ def test_a_session_with_a_turn_in_flight_outlives_its_ttl(queued_router) -> None
     turn.start()
     try:
         # the turn is prepared and waits in the paused routing loop, for longer than the TTL
-        wait_for(lambda: httpx.get(f"{router.url}/routing_loop/status").json()["queue_len"] == 1)
+        wait_for(
+            lambda: httpx.get(f"{router.url}/routing_loop/status").json()["queue_len"] == 1,
+            "one request queued in the routing loop",
+        )
         queued = time.monotonic()
-        wait_for(lambda: time.monotonic() > queued + 2 * TTL_S, timeout_s=30)
+        wait_for(
+            lambda: time.monotonic() > queued + 2 * TTL_S, "twice the session TTL passed while queued", timeout_s=30
+        )
         assert _create(router).status_code == 200  # creation sweeps expired sessions: not this one
     finally:
         httpx.post(f"{router.url}/routing_loop/resume", json={}, timeout=30)

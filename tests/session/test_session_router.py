@@ -6,14 +6,17 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import pytest
+from _wait import until
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from psrl.session import SessionConfig, create_app
+from psrl.session.app import create_app
+from psrl.session.config import SessionConfig
+from psrl.session.state import SessionState
 
 INSTANCE = {"x-base-worker-id": "worker-a", "x-target-dp-rank": "2", "x-version-tag": "3"}
 
@@ -83,8 +86,13 @@ def mock() -> MockRouter:
     return MockRouter()
 
 
-async def _client(mock: MockRouter, **config: Any) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(SessionConfig(router_url="http://router", **config), transport=httpx.ASGITransport(app=mock.app()))
+def _app(mock: MockRouter, **config: Any) -> FastAPI:
+    return create_app(
+        SessionConfig(router_url="http://router", **config), transport=httpx.ASGITransport(app=mock.app())
+    )
+
+
+async def _client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
     async with (
         app.router.lifespan_context(app),
         httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sr") as c,
@@ -93,15 +101,60 @@ async def _client(mock: MockRouter, **config: Any) -> AsyncIterator[httpx.AsyncC
 
 
 @pytest.fixture
-async def client(mock: MockRouter) -> AsyncIterator[httpx.AsyncClient]:
-    async for c in _client(mock):
+def app(mock: MockRouter) -> FastAPI:
+    return _app(mock)
+
+
+@pytest.fixture
+async def client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    async for c in _client(app):
         yield c
 
 
 @pytest.fixture
 async def auto_client(mock: MockRouter) -> AsyncIterator[httpx.AsyncClient]:
-    async for c in _client(mock, trajectory_id_strategy="auto", admin_api_key="k"):
+    async for c in _client(_app(mock, trajectory_id_strategy="auto", admin_api_key="k")):
         yield c
+
+
+class _WatchedEvent(asyncio.Event):
+    """An asyncio.Event that counts the waits begun on it, so a test sees a turn (or a DELETE) reach one."""
+
+    def __init__(self, source: asyncio.Event) -> None:
+        super().__init__()
+        self.waits = 0
+        if source.is_set():
+            self.set()
+
+    async def wait(self) -> Literal[True]:
+        self.waits += 1
+        return await super().wait()
+
+
+class _WatchedLock(asyncio.Lock):
+    """An asyncio.Lock that counts the acquisitions begun on it (a turn waiting for its trajectory's lock)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.acquires = 0
+
+    async def acquire(self) -> Literal[True]:
+        self.acquires += 1
+        return await super().acquire()
+
+
+class _WatchedLocks(dict[str | None, asyncio.Lock]):
+    def setdefault(self, key: str | None, default: asyncio.Lock | None = None) -> asyncio.Lock:
+        return super().setdefault(key, _WatchedLock())
+
+
+def _watched(app: FastAPI, sid: str) -> SessionState:
+    """The session's state, with its hang and drain events and its turn locks swapped for watched ones."""
+    state = app.state.session_router.sessions.get(sid)
+    assert state is not None and not state.turn_locks
+    state.continue_event, state.drained = _WatchedEvent(state.continue_event), _WatchedEvent(state.drained)
+    state.turn_locks = _WatchedLocks()
+    return state
 
 
 MSG = {"messages": [{"role": "user", "content": "hi"}]}
@@ -171,8 +224,11 @@ async def test_continue_force_pins_exactly_one_turn(client: httpx.AsyncClient, m
     assert r.json() == {"continued": [], "missing": ["nope"]}
 
 
-async def test_hang_defers_mid_turn_and_continue_releases(client: httpx.AsyncClient, mock: MockRouter) -> None:
+async def test_hang_defers_mid_turn_and_continue_releases(
+    app: FastAPI, client: httpx.AsyncClient, mock: MockRouter
+) -> None:
     sid = await _session(client)
+    state = _watched(app, sid)
     mock.gate = asyncio.Event()
     first = asyncio.create_task(_turn(client, sid))
     await asyncio.wait_for(mock.entered.wait(), 5)
@@ -186,7 +242,7 @@ async def test_hang_defers_mid_turn_and_continue_releases(client: httpx.AsyncCli
     assert entry["hang_state"] == "hung" and entry["inflight"] == 0 and not entry["marked_for_hang"]
     n_calls = len(mock.calls)
     second = asyncio.create_task(_turn(client, sid))
-    await asyncio.sleep(0.1)
+    await until(lambda: state.continue_event.waits == 1, "the turn waits on the hang")
     assert not second.done() and len(mock.calls) == n_calls  # held before forwarding
     r = await client.post("/control/continue", json=[sid])
     assert r.json()["continued"] == [sid]
@@ -195,11 +251,14 @@ async def test_hang_defers_mid_turn_and_continue_releases(client: httpx.AsyncCli
     assert (await client.post("/control/hang", json=[sid])).json()["hung"] == [sid]
 
 
-async def test_closing_session_gets_409_and_delete_releases_a_hang(client: httpx.AsyncClient, mock: MockRouter) -> None:
+async def test_closing_session_gets_409_and_delete_releases_a_hang(
+    app: FastAPI, client: httpx.AsyncClient, mock: MockRouter
+) -> None:
     sid = await _session(client)
+    state = _watched(app, sid)
     await client.post("/control/hang", json=[sid])
     waiting = asyncio.create_task(_turn(client, sid))
-    await asyncio.sleep(0.05)
+    await until(lambda: state.continue_event.waits == 1, "the turn waits out the hang")
     r = await client.delete(f"/sessions/{sid}")
     assert r.status_code == 204 and mock.calls[-1] == ("DELETE", {}, sid)
     r = await asyncio.wait_for(waiting, 5)
@@ -207,14 +266,17 @@ async def test_closing_session_gets_409_and_delete_releases_a_hang(client: httpx
     assert (await _turn(client, sid)).status_code == 404
 
 
-async def test_closing_while_a_turn_is_in_flight(client: httpx.AsyncClient, mock: MockRouter) -> None:
+async def test_closing_while_a_turn_is_in_flight(app: FastAPI, client: httpx.AsyncClient, mock: MockRouter) -> None:
     sid = await _session(client)
+    state = _watched(app, sid)
     mock.gate = asyncio.Event()
     first = asyncio.create_task(_turn(client, sid))
     await asyncio.wait_for(mock.entered.wait(), 5)
     queued = asyncio.create_task(_turn(client, sid))  # same trajectory: waits for the first turn
     deleting = asyncio.create_task(client.delete(f"/sessions/{sid}"))
-    await asyncio.sleep(0.05)
+    await until(
+        lambda: state.turn_locks["0"].acquires == 2 and state.drained.waits == 1, "the DELETE waits for the turn"
+    )
     r = await _turn(client, sid, {"x-smg-tito-trajectory-id": "1"})  # another trajectory: refused at once
     assert r.status_code == 409 and r.json() == {"error": "session is closing"}
     assert not deleting.done() and not queued.done()  # DELETE waits for the in-flight turn
@@ -224,14 +286,19 @@ async def test_closing_while_a_turn_is_in_flight(client: httpx.AsyncClient, mock
     assert (await asyncio.wait_for(deleting, 5)).status_code == 204
 
 
-async def test_turns_of_one_trajectory_run_one_at_a_time(client: httpx.AsyncClient, mock: MockRouter) -> None:
+async def test_turns_of_one_trajectory_run_one_at_a_time(
+    app: FastAPI, client: httpx.AsyncClient, mock: MockRouter
+) -> None:
     sid = await _session(client)
+    state = _watched(app, sid)
     mock.gate = asyncio.Event()
     first = asyncio.create_task(_turn(client, sid))
     await asyncio.wait_for(mock.entered.wait(), 5)
     second = asyncio.create_task(_turn(client, sid))
     other = asyncio.create_task(_turn(client, sid, {"x-smg-tito-trajectory-id": "1"}))
-    await asyncio.sleep(0.1)
+    await until(
+        lambda: state.turn_locks["0"].acquires == 2 and len(mock.calls) == 2, "the second turn waits for the lock"
+    )
     trajectories = [h.get("x-smg-tito-trajectory-id") for kind, h, _ in mock.calls if kind == "chat"]
     assert trajectories == ["0", "1"]  # the second turn of trajectory 0 is held, trajectory 1 is not
     mock.gate.set()
@@ -244,7 +311,7 @@ async def test_turns_of_one_trajectory_run_one_at_a_time(client: httpx.AsyncClie
     held = asyncio.create_task(_turn(client, sid))
     await asyncio.wait_for(mock.entered.wait(), 5)
     forwarded = asyncio.create_task(client.post(f"/sessions/{sid}/v1/completions", json={"prompt": "x"}))
-    await asyncio.sleep(0.1)
+    await until(lambda: state.turn_locks["0"].acquires == 4, "four turns took the lock")  # incl. the held one
     assert not forwarded.done() and mock.calls[-1][0] == "chat"
     mock.gate.set()
     assert (await held).status_code == 200 and (await asyncio.wait_for(forwarded, 5)).status_code == 200
@@ -293,7 +360,7 @@ async def test_errors_count_tokens_and_catch_all(client: httpx.AsyncClient, mock
 
 
 async def test_admin_key_and_unreachable_router(mock: MockRouter) -> None:
-    async for c in _client(mock, admin_api_key="k"):
+    async for c in _client(_app(mock, admin_api_key="k")):
         assert (await c.get("/control/sessions")).status_code == 401
         assert (await c.get("/control/sessions", headers={"authorization": "Bearer k"})).status_code == 200
         assert (await c.post("/control/hang", json=[], headers={"x-admin-api-key": "k"})).status_code == 200

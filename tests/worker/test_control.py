@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from _loads import wait_decoding
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from psrl._proto import replica_control_pb2 as pb
@@ -94,13 +95,7 @@ async def test_abort_pause_ends_running_requests_like_abort(stubs: Stubs) -> Non
     streamed = StreamReader(stubs, _req("sync-s", stream=True, max_tokens=2000, rank=0))
     plain = asyncio.ensure_future(stubs.frames(_req("sync-ns", stream=False, max_tokens=2000, rank=1)))
     await streamed.wait_for_ids(3)
-    # The non-streamed one shows no ids until it ends: make sure it is decoding before the pause.
-    for _ in range(500):
-        loads = await stubs.engine.GetLoads(vllm_engine_pb2.GetLoadsRequest(dp_rank=1))
-        if loads.loads[0].num_running_reqs:
-            break
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.3)
+    await wait_decoding(stubs.engine, rank=1)  # the non-streamed one shows no ids until it ends
 
     resp = await stubs.pause(pb.PAUSE_MODE_ABORT)
     assert resp.paused and sorted(resp.aborted_request_ids) == ["sync-ns", "sync-s"]
@@ -207,7 +202,9 @@ async def test_keep_pause_freezes_and_resumes_the_same_greedy_tokens(stubs: Stub
     assert resp.paused and list(resp.aborted_request_ids) == []
     state = await stubs.state()
     assert state.paused and state.running_requests == 2
-    await asyncio.sleep(0.2)  # frames already sent by the last step arrive; then nothing moves
+    # The behaviour under test is time passing with nothing moving: the frames the last step sent arrive, then
+    # the paused requests hold still for a while.
+    await asyncio.sleep(0.2)
     frozen = [len(r.ids) for r in readers]
     await asyncio.sleep(0.3)
     assert [len(r.ids) for r in readers] == frozen and all(n < 600 for n in frozen)

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
-from psrl.worker.server import parse_args
+from psrl.worker.config import parse_args
 
 BLOCK = 16
 LONG = [(7 * i + 3) % 500 + 2 for i in range(60)]

@@ -200,14 +200,20 @@ async def test_what_the_destination_holds_already_is_not_moved(source) -> None:
 
 async def test_a_cancelled_copy_is_waited_for_and_its_result_discarded() -> None:
     """A pull that times out mid-copy must not free blocks the copy thread still writes."""
-    release, discarded = threading.Event(), []
-    task = asyncio.create_task(_in_thread(lambda: release.wait(5) and "segment", discard=discarded.append))
-    await asyncio.sleep(0.05)
+    copying, release, discarded = threading.Event(), threading.Event(), []
+
+    def copy() -> str:
+        copying.set()
+        release.wait(5)
+        return "segment"
+
+    task = asyncio.create_task(_in_thread(copy, discard=discarded.append))
+    assert await asyncio.to_thread(copying.wait, 5)
     task.cancel()
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0)  # one loop turn: the task takes the cancellation (and must wait on)
     assert not task.done()  # still waiting for the thread
     task.cancel()  # a second cancellation does not cut the wait short either
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0)
     assert not task.done()
     release.set()
     with pytest.raises(asyncio.CancelledError):

@@ -7,6 +7,7 @@ import hashlib
 
 import grpc
 import pytest
+from _loads import wait_decoding
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from psrl.tokenizer import Tokenizer
@@ -90,7 +91,7 @@ async def test_abort_while_streaming_ends_with_empty_abort_frame(stub) -> None:
 
 async def test_abort_without_streaming_returns_ids_so_far(stub) -> None:
     task = asyncio.ensure_future(_frames(stub, _req("abort-ns", stream=False, max_tokens=2000)))
-    await asyncio.sleep(0.5)
+    await wait_decoding(stub)
     await stub.Abort(vllm_engine_pb2.AbortRequest(request_ids=["abort-ns"]))
     frames = await asyncio.wait_for(task, 30)
     c = frames[-1].complete

@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 import pytest
+from _loads import wait_decoding
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from psrl._proto import kv_migration_pb2, kv_migration_pb2_grpc, replica_control_pb2, replica_control_pb2_grpc
@@ -209,7 +210,7 @@ async def test_abort_of_the_request_ends_every_choice(stub) -> None:
     assert [(c.index, c.finish_reason, list(c.output_ids)) for c in completes] == [(0, "abort", []), (1, "abort", [])]
 
     task = asyncio.ensure_future(_frames(stub, _req("n-abort-ns", n=2, max_tokens=3000)))
-    await asyncio.sleep(0.5)
+    await wait_decoding(stub, running=2)
     await stub.Abort(vllm_engine_pb2.AbortRequest(request_ids=["n-abort-ns"]))
     frames = await asyncio.wait_for(task, 30)
     assert [(f.complete.index, f.complete.finish_reason) for f in frames] == [(0, "abort"), (1, "abort")]

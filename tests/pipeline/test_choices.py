@@ -326,8 +326,10 @@ class _Silent(_Call):
     def __init__(self) -> None:
         super().__init__([])
         self.cancelled = False
+        self.reading = asyncio.Event()  # set once the dispatcher waits for the first frame
 
     async def read(self) -> Any:
+        self.reading.set()
         await asyncio.Event().wait()
 
     def cancel(self) -> None:
@@ -350,7 +352,7 @@ async def test_a_dispatch_cancelled_before_its_first_frame_releases_its_ticket()
     task = asyncio.ensure_future(
         dispatcher.start_call(ticket, GenerationInput("r", PROMPT, SamplingSpec(max_tokens=4)))  # type: ignore[arg-type]
     )
-    await asyncio.sleep(0.01)
+    await asyncio.wait_for(silent.reading.wait(), 5)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

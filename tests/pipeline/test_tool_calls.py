@@ -161,7 +161,7 @@ def test_none_parser_returns_text_as_content() -> None:
 
 
 def test_parser_names() -> None:
-    assert isinstance(make_tool_parser(None), HermesToolParser)  # COMPAT: null means qwen
+    assert isinstance(make_tool_parser(None), HermesToolParser)  # a null parser in PSRL's YAML means qwen
     assert isinstance(make_tool_parser("qwen"), HermesToolParser)
     assert isinstance(make_tool_parser("hermes"), HermesToolParser)
     with pytest.raises(ValueError, match=r"'mistral'.*hermes, none, qwen"):

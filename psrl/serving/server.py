@@ -1,0 +1,35 @@
+"""Running a uvicorn server the way our processes start: a ready line once it listens, and a failed start exits
+non-zero (as `uvicorn.run` does)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+import uvicorn
+from uvicorn.main import STARTUP_FAILURE
+
+
+class AnnouncingServer(uvicorn.Server):
+    """uvicorn's server that prints `<marker> http://host:port` on stdout once it listens (after the app's
+    lifespan startup), with the port it got when started on port 0; launchers and tests wait for that line."""
+
+    def __init__(self, config: uvicorn.Config, marker: str) -> None:
+        super().__init__(config)
+        self.marker = marker
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.should_exit or not self.servers:  # the app's startup failed: nothing listens
+            return
+        port = self.servers[0].sockets[0].getsockname()[1]
+        print(f"{self.marker} http://{self.config.host}:{port}", flush=True)
+
+
+def run_server(server: AnnouncingServer) -> None:
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    if not server.started:
+        sys.exit(STARTUP_FAILURE)
