@@ -29,11 +29,12 @@ from psrl.engine.kv_events import (
     KvEventsUpdate,
     StoredBlock,
 )
+from psrl.engine.kv_manager import KvManager
 from psrl.engine.model import Qwen2Model
 from psrl.engine.prefix_cache import BlockPool, hash_block_tokens
-from psrl.engine.request import RequestOutput
+from psrl.engine.request import FinishReason, RequestOutput
 from psrl.engine.sampler import SamplingOptions
-from psrl.engine.sync import KvLease, PauseMode, PreloadedKV, SyncAbortedRequest, common_prefix
+from psrl.engine.sync import KvLease, KvSource, PauseMode, PreloadedKV, SyncAbortedRequest, common_prefix
 
 __all__ = [
     "AdmissionClosedError",
@@ -51,6 +52,7 @@ __all__ = [
     "EngineError",
     "EngineStats",
     "EngineStepError",
+    "FinishReason",
     "InvalidRequestError",
     "InvalidSamplingError",
     "KVCacheTooSmallError",
@@ -59,6 +61,8 @@ __all__ = [
     "KvEventsOverflowError",
     "KvEventsUpdate",
     "KvLease",
+    "KvManager",
+    "KvSource",
     "MaxModelLenExceededError",
     "ModelConfig",
     "OutOfBlocks",

@@ -17,6 +17,9 @@ top-k expert ids of every MoE layer for each position it feeds from there on, an
 length or abort) carries them, as vLLM's routed experts. Positions it must report are computed here, never
 taken from the prefix cache or migrated KV (Request.kv_reuse_limit), so every row is this engine's own.
 
+KV migration (pins, leases, reserved and migrated blocks) is kept by the KV manager beside the block pool
+(kv_manager.py); the engine calls it under its lock.
+
 Weight syncs: `close_admission` refuses new requests (AdmissionClosedError), `freeze` stops scheduling
 without touching any request's state (a frozen step only hands out pending abort outputs),
 `abort_all_for_sync` ends every request and reports what each had produced, calling `on_sync_abort` for
@@ -26,9 +29,7 @@ pause modes.
 
 from __future__ import annotations
 
-import math
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,14 +53,15 @@ from psrl.engine.errors import (
 )
 from psrl.engine.kv_cache import CacheConfig, PagedKVCache, blocks_for_tokens
 from psrl.engine.kv_events import KvEvent
+from psrl.engine.kv_manager import KvManager
 from psrl.engine.model import Qwen2Model
 from psrl.engine.prefix_cache import BlockPool
-from psrl.engine.request import Request, RequestOutput, RequestStatus
+from psrl.engine.request import FinishReason, Request, RequestOutput, RequestStatus
 from psrl.engine.routing import RoutingRecorder, expert_id_dtype
 from psrl.engine.sampler import Sampler, SampleResult, SamplingOptions
 from psrl.engine.scheduler import ScheduledChunk, Scheduler
 from psrl.engine.stop_strings import StopStringDetector
-from psrl.engine.sync import KvLease, PreloadedKV, SyncAbortedRequest, common_prefix
+from psrl.engine.sync import KvLease, PreloadedKV, SyncAbortedRequest
 from psrl.tokenizer import Tokenizer
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the most alternatives a request may ask for per token
@@ -126,7 +128,8 @@ class Engine:
         self.weight_version = 0
         self.kv_cache = PagedKVCache(model_config, cache_config, device=self.device)
         self._pool = BlockPool(cache_config.num_blocks, cache_config.block_size, enable_caching=enable_prefix_caching)
-        self._scheduler = Scheduler(self._pool, max_num_seqs, max_num_batched_tokens, self._drop_oldest_pin_locked)
+        self._kv = KvManager(self._pool)  # pins, leases, reservations and migrated KV, over the same pool
+        self._scheduler = Scheduler(self._pool, max_num_seqs, max_num_batched_tokens, self._kv.drop_oldest_pin)
         self._sampler = Sampler(seed)
         self._requests: dict[str, Request] = {}
         self._pending_outputs: list[RequestOutput] = []  # abort notices for the next step to return
@@ -142,12 +145,6 @@ class Engine:
         self.kv_pin_ttl_s: float | None = None
         # Prompt positions this engine computed (prefill work; what a prefix-cache hit or migrated KV saves).
         self.num_prompt_tokens_computed = 0
-        self._pins: dict[str, _Pin] = {}  # oldest first
-        # Requests whose blocks the forward in flight writes: an abort meanwhile frees their blocks only once
-        # it has ended, so that reserve_blocks (which runs outside a step) never hands out a block being written.
-        self._forward_in_flight = False
-        self._deferred_free: list[int] = []
-        self._next_pin_expiry = math.inf  # no pin expires before this (time.monotonic())
 
     # ---- weights --------------------------------------------------------------------------------
 
@@ -262,13 +259,13 @@ class Engine:
                 raise AdmissionClosedError(self._admission_closed)
             if request_id in self._requests or request_id in self._pending_abort_ids:
                 raise DuplicateRequestError(f"request id {request_id!r} is already in the engine")
-            self._drop_pin_locked(request_id)  # it came back here: its pin (if any) is not needed any more
+            self._kv.unpin(request_id)  # it came back here: its pin (if any) is not needed any more
             self._requests[request_id] = request
             if kv_pending:
                 request.status = RequestStatus.WAITING_FOR_KV
                 return
             if preloaded is not None:
-                self._preload_locked(request, preloaded)
+                self._kv.preload(request, preloaded)
             self._scheduler.add(request)
 
     def _routing_recorder(self, request_id: str, prompt_len: int, sampling: SamplingOptions) -> RoutingRecorder | None:
@@ -323,22 +320,6 @@ class Engine:
                 f"{kv.num_tokens}"
             )
 
-    def _preload_locked(self, request: Request, kv: PreloadedKV) -> None:
-        limit = request.kv_reuse_limit
-        if kv.num_tokens > limit:
-            # Routing to report for positions the KV covers: keep the whole blocks before them, compute the rest.
-            block_size = self.cache_config.block_size
-            keep = limit // block_size
-            self._pool.free(kv.block_ids[keep:])
-            if keep == 0:
-                return
-            n = keep * block_size
-            kv = PreloadedKV(kv.block_ids[:keep], n, None if kv.token_ids is None else kv.token_ids[:n])
-        request.block_ids = list(kv.block_ids)
-        request.num_computed_tokens = kv.num_tokens
-        request.num_cached_tokens = kv.num_tokens  # reported like a prefix-cache hit: not prefilled here
-        request.cache_epoch = -1  # computed elsewhere (maybe under other weights): never shared via the cache
-
     def _max_total_tokens(self, request_id: str, prompt_len: int, max_tokens: int | None) -> int:
         """The most tokens (prompt + output) this request may reach, or a typed error if it cannot run.
 
@@ -383,9 +364,7 @@ class Engine:
     def _abort_locked(self, req: Request) -> None:
         """Caller holds _lock."""
         del self._requests[req.request_id]
-        if self._forward_in_flight:
-            self._deferred_free += req.block_ids  # the forward in flight may still write them
-            req.block_ids = []
+        self._kv.hold_while_written(req)  # the forward in flight may still write its blocks
         self._scheduler.finish(req)
         self._pending_abort_ids.add(req.request_id)
         self._pending_outputs.append(
@@ -394,7 +373,7 @@ class Engine:
                 new_token_ids=[],
                 new_logprobs=[] if req.sampling.logprobs is not None else None,
                 new_top_logprobs=[] if req.sampling.logprobs else None,
-                finish_reason="abort",
+                finish_reason=FinishReason.ABORT,
                 matched_stop_token_id=None,
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_cached_tokens=max(req.num_cached_tokens, 0),
@@ -455,7 +434,7 @@ class Engine:
                 if self.on_sync_abort is not None:
                     self.on_sync_abort(snapshot)
                 if self.kv_pin_ttl_s is not None and req.pin_on_sync_abort:
-                    self._pin_locked(req, self.kv_pin_ttl_s)
+                    self._kv.pin(req, self.kv_pin_ttl_s)
                 self._abort_locked(req)
                 aborted.append(snapshot)
         return aborted
@@ -478,77 +457,44 @@ class Engine:
             req = self._requests.get(request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 raise InvalidRequestError(f"request {request_id!r} is not running here: nothing to pin")
-            return self._pin_locked(req, ttl_s)
+            return self._kv.pin(req, ttl_s)
 
     def unpin_kv(self, request_id: str) -> bool:
         with self._lock:
-            return self._drop_pin_locked(request_id)
+            return self._kv.unpin(request_id)
 
     @property
     def num_pinned(self) -> int:
-        return len(self._pins)
+        return self._kv.num_pinned
 
     def lease_kv(self, request_id: str, token_ids: Sequence[int], *, allow_prefix_cache: bool) -> KvLease | None:
         """The source side of a transfer: blocks holding the K/V of the longest prefix of `token_ids` that the
         request's pin holds (or, with `allow_prefix_cache` and no pin, the prefix cache's full blocks). The
         blocks get an extra reference, so they stay valid until `release_blocks` even if the pin ends."""
-        block_size = self.cache_config.block_size
         with self._lock:
-            self._expire_pins_locked()
-            pin = self._pins.get(request_id)
-            if pin is None:
-                return self._lease_cached_prefix_locked(token_ids) if allow_prefix_cache else None
-            n = common_prefix(pin.token_ids, token_ids)
-            if n == 0:
-                return None
-            ids = pin.block_ids[: blocks_for_tokens(n, block_size)]
-            self._pool.touch(ids)
-            return KvLease(n, tuple(ids), "pin")
+            return self._kv.lease(request_id, token_ids, allow_prefix_cache=allow_prefix_cache)
 
     def lease_cached_prefix(self, token_ids: Sequence[int]) -> KvLease | None:
         """The full blocks of `token_ids` this engine's prefix cache holds, with a reference each (released by
         `release_blocks`, or handed to a request in a PreloadedKV): the part of a migration not to move."""
         with self._lock:
-            return self._lease_cached_prefix_locked(token_ids)
-
-    def _lease_cached_prefix_locked(self, token_ids: Sequence[int]) -> KvLease | None:
-        ids = self._pool.cached_prefix_of(token_ids)
-        if not ids:
-            return None
-        self._pool.touch(ids)
-        return KvLease(len(ids) * self.cache_config.block_size, tuple(ids), "prefix_cache")
+            return self._kv.lease_cached_prefix(token_ids)
 
     def adopt_pin(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> PreloadedKV | None:
         """A request looped back to this engine takes over the pinned KV of its previous iteration without a
         copy: the pin's blocks holding the longest common prefix (at most `max_tokens`) become its blocks."""
         with self._lock:
-            self._expire_pins_locked()
-            pin = self._pins.pop(request_id, None)
-            if pin is None:
-                return None
-            block_size = self.cache_config.block_size
-            n = min(common_prefix(pin.token_ids, token_ids), max_tokens)
-            if n % block_size:
-                # The request will write its tokens from n on into the last kept block: only if nobody else
-                # reads that block (the prefix cache, or a request still running after PinKv).
-                last = pin.block_ids[n // block_size]
-                if self._pool.is_cached(last) or self._pool.ref_count(last) > 1:
-                    n -= n % block_size
-            keep = blocks_for_tokens(n, block_size)
-            self._pool.free(pin.block_ids[keep:])
-            if n == 0:
-                return None
-            return PreloadedKV(pin.block_ids[:keep], n, tuple(token_ids[:n]))
+            return self._kv.adopt_pin(request_id, token_ids, max_tokens)
 
     def reserve_blocks(self, num_tokens: int) -> list[int]:
         """Fresh blocks for `num_tokens` incoming migrated tokens (OutOfBlocks when the cache cannot spare them)."""
         with self._lock:
-            return self._pool.allocate(blocks_for_tokens(num_tokens, self.cache_config.block_size))
+            return self._kv.reserve(num_tokens)
 
     def release_blocks(self, block_ids: Sequence[int]) -> None:
         """Drop the reference a lease or a reservation took."""
         with self._lock:
-            self._pool.free(block_ids)
+            self._kv.release(block_ids)
 
     def attach_kv(self, request_id: str, kv: PreloadedKV | None) -> bool:
         """Release a `kv_pending` request into the queue, with its migrated KV or (None) to be prefilled.
@@ -559,41 +505,9 @@ class Engine:
                 return False
             if kv is not None:
                 self._check_preloaded(req, kv)
-                self._preload_locked(req, kv)
+                self._kv.preload(req, kv)
             self._scheduler.add(req)
             return True
-
-    def _pin_locked(self, req: Request, ttl_s: float) -> int:
-        n = req.num_computed_tokens
-        if n == 0:
-            return 0
-        ids = req.block_ids[: blocks_for_tokens(n, self.cache_config.block_size)]
-        self._drop_pin_locked(req.request_id)
-        self._pool.touch(ids)
-        expires_at = time.monotonic() + ttl_s
-        self._pins[req.request_id] = _Pin(tuple(req.token_ids[:n]), tuple(ids), expires_at)
-        self._next_pin_expiry = min(self._next_pin_expiry, expires_at)
-        return n
-
-    def _drop_oldest_pin_locked(self) -> bool:
-        if not self._pins:
-            return False
-        return self._drop_pin_locked(next(iter(self._pins)))
-
-    def _drop_pin_locked(self, request_id: str) -> bool:
-        pin = self._pins.pop(request_id, None)
-        if pin is None:
-            return False
-        self._pool.free(pin.block_ids)
-        return True
-
-    def _expire_pins_locked(self) -> None:
-        now = time.monotonic()
-        if now < self._next_pin_expiry:
-            return
-        for request_id in [r for r, p in self._pins.items() if p.expires_at <= now]:
-            self._drop_pin_locked(request_id)
-        self._next_pin_expiry = min((p.expires_at for p in self._pins.values()), default=math.inf)
 
     # ---- prefix cache and KV events -------------------------------------------------------------
 
@@ -643,8 +557,7 @@ class Engine:
         """Schedule, run one forward over every scheduled token, sample, and return delta outputs."""
         with self._step_lock:
             with self._lock:
-                if self._pins:
-                    self._expire_pins_locked()
+                self._kv.expire_pins()
                 if self._frozen:
                     return self._take_pending_outputs()
                 chunks = self._scheduler.schedule()
@@ -658,7 +571,7 @@ class Engine:
                 generators = [c.request.generator for c in sampling_chunks]
                 # Only a step with a request recording its routing keeps the experts the MoE layers chose.
                 routing: list[torch.Tensor] | None = [] if any(c.request.routing is not None for c in chunks) else None
-                self._forward_in_flight = True
+                self._kv.begin_forward()
             model = self._model
             try:
                 with torch.inference_mode():
@@ -668,16 +581,10 @@ class Engine:
             except Exception as exc:
                 raise EngineStepError(self._fail_chunks(chunks), exc) from exc  # its frees wait for the forward
             finally:
-                self._end_forward()
+                with self._lock:
+                    self._kv.end_forward()
             with self._lock:
                 return self._take_pending_outputs() + self._update(chunks, sampled, routed)
-
-    def _end_forward(self) -> None:
-        with self._lock:
-            self._forward_in_flight = False
-            if self._deferred_free:
-                self._pool.free(self._deferred_free)
-                self._deferred_free = []
 
     def _take_pending_outputs(self) -> list[RequestOutput]:
         out, self._pending_outputs = self._pending_outputs, []
@@ -724,7 +631,7 @@ class Engine:
             finish_reason, matched = self._check_stop(req, token)
             matched_str = self._check_stop_strings(req, token, finish_reason)
             if matched_str is not None:
-                finish_reason, matched = "stop", None
+                finish_reason, matched = FinishReason.STOP, None
             logprob = sampled.logprobs[row]
             top = sampled.top_logprobs[row]
             outputs.append(
@@ -747,23 +654,25 @@ class Engine:
                 self._scheduler.finish(req)
         return outputs
 
-    def _check_stop(self, req: Request, token: int) -> tuple[str | None, int | None]:
+    def _check_stop(self, req: Request, token: int) -> tuple[FinishReason | None, int | None]:
         """vLLM's rules; a stop token ends the request even on its last allowed position."""
         if not req.sampling.ignore_eos and token in self.eos_token_ids:
             # Like vLLM: the tokenizer's EOS is not reported as a matched stop token, the model's other EOS ids are.
-            return "stop", None if token == self.eos_token_ids[0] else token
+            return FinishReason.STOP, None if token == self.eos_token_ids[0] else token
         if token in req.sampling.stop_token_ids:
-            return "stop", token
+            return FinishReason.STOP, token
         if req.num_tokens >= req.max_total_tokens:
-            return "length", None
+            return FinishReason.LENGTH, None
         return None, None
 
     @staticmethod
-    def _check_stop_strings(req: Request, token: int, finish_reason: str | None) -> str | None:
+    def _check_stop_strings(req: Request, token: int, finish_reason: FinishReason | None) -> str | None:
         """The stop string `token` completes, checked after the id rules as vLLM's detokenizer does: a stop string
         also ends a request at its length limit, and the text of a token that stopped it by id is left out
         unless include_stop_str_in_output (so that id stays the reason)."""
-        if req.stop_detector is None or (finish_reason == "stop" and not req.sampling.include_stop_str_in_output):
+        if req.stop_detector is None or (
+            finish_reason is FinishReason.STOP and not req.sampling.include_stop_str_in_output
+        ):
             return None
         return req.stop_detector.push(token)
 
@@ -823,10 +732,3 @@ def _routing_rows(routing: list[torch.Tensor] | None, num_experts: int) -> np.nd
     if not routing:
         return None
     return torch.stack(routing, dim=1).cpu().numpy().astype(expert_id_dtype(num_experts))
-
-
-@dataclass(frozen=True)
-class _Pin:
-    token_ids: tuple[int, ...]  # the tokens whose K/V the blocks hold
-    block_ids: tuple[int, ...]
-    expires_at: float  # time.monotonic()

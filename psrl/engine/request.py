@@ -20,6 +20,14 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class FinishReason(enum.StrEnum):
+    """Why a request ended (wire values, as vLLM's)."""
+
+    STOP = "stop"  # an EOS or stop token id, or a stop string
+    LENGTH = "length"  # max_tokens, or the model's or the cache's length limit
+    ABORT = "abort"  # aborted: by the client, a sync pause or a shutdown
+
+
 @dataclass
 class RequestOutput:
     """What one step produced for one request (a delta: only the new tokens)."""
@@ -28,7 +36,7 @@ class RequestOutput:
     new_token_ids: list[int]
     new_logprobs: list[float] | None
     new_top_logprobs: list[list[tuple[int, float]]] | None
-    finish_reason: str | None  # None | "stop" | "length" | "abort"
+    finish_reason: FinishReason | None  # None while it runs
     matched_stop_token_id: int | None
     num_prompt_tokens: int
     num_cached_tokens: int

@@ -30,6 +30,13 @@ class SyncAbortedRequest:
         return self.token_ids[self.num_prompt_tokens :]
 
 
+class KvSource(enum.StrEnum):
+    """Where lent-out KV comes from (a wire value: TransferKvResponse.source)."""
+
+    PIN = "pin"  # a request's pinned KV
+    PREFIX_CACHE = "prefix_cache"  # the prefix cache's full blocks
+
+
 @dataclass(frozen=True)
 class KvLease:
     """KV blocks lent out for a transfer: the first `num_tokens` tokens asked for have their K/V in `block_ids`
@@ -37,7 +44,7 @@ class KvLease:
 
     num_tokens: int
     block_ids: tuple[int, ...]
-    source: str  # "pin" | "prefix_cache"
+    source: KvSource
 
 
 @dataclass(frozen=True)

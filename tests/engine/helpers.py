@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from _wait import until
 
 from psrl.engine import (
     AllBlocksCleared,
+    AsyncEngine,
     BlocksRemoved,
     CacheConfig,
     Engine,
@@ -96,6 +98,17 @@ def apply(state: CacheState, events: list[KvEvent]) -> None:
                 assert blk.block_hash not in state
                 state[blk.block_hash] = (parent, blk.token_ids)
                 parent = blk.block_hash
+
+
+async def wait_idle(aengine: AsyncEngine) -> None:
+    await until(lambda: not aengine.engine.has_unfinished_requests(), "the engine has no work left")
+
+
+def step_thread_parked(aengine: AsyncEngine) -> bool:
+    """Whether the step thread waits on its condition variable with nothing it may run: it steps again only
+    once something new wakes it."""
+    with aengine._wake:
+        return aengine._idle and not aengine.engine.has_unfinished_requests()
 
 
 async def collect(stream) -> list[RequestOutput]:

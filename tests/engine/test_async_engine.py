@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from _wait import until
 
 from psrl.engine import (
     AsyncEngine,
@@ -15,15 +16,7 @@ from psrl.engine import (
     SamplingOptions,
 )
 
-from .helpers import collect, greedy, make_engine, prompts, run
-
-
-async def wait_idle(aengine: AsyncEngine) -> None:
-    for _ in range(1000):
-        if not aengine.engine.has_unfinished_requests():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("engine never went idle")
+from .helpers import collect, greedy, make_engine, prompts, run, step_thread_parked, wait_idle
 
 
 async def test_concurrent_generates_match_the_sync_engine(aengine: AsyncEngine) -> None:
@@ -131,9 +124,8 @@ async def test_idle_engine_does_not_step(aengine: AsyncEngine) -> None:
 
     aengine.engine.step = counting_step  # type: ignore[method-assign]
     await collect(aengine.generate("a", [1, 2], greedy(3)))
-    settled = calls
-    await asyncio.sleep(0.05)
-    assert calls == settled
+    await until(lambda: step_thread_parked(aengine), "the step thread waits for work")
+    assert calls == 3  # one step per token, none once the request ended
 
 
 async def test_shutdown_ends_open_streams() -> None:

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
+from _wait import until
 
 from psrl.engine import (
     AllBlocksCleared,
@@ -79,7 +80,7 @@ async def test_a_cancelled_reader_unsubscribes(aengine: AsyncEngine) -> None:
     stream = aengine.subscribe_kv_events()
     await next_update(stream)
     reader = asyncio.create_task(stream.__anext__())
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0)  # one turn of the loop: the reader runs until it waits on the empty stream
     reader.cancel()
     with pytest.raises(asyncio.CancelledError):
         await reader
@@ -89,7 +90,7 @@ async def test_a_cancelled_reader_unsubscribes(aengine: AsyncEngine) -> None:
 async def test_a_subscriber_that_falls_behind_is_dropped(aengine: AsyncEngine) -> None:
     stream = aengine.subscribe_kv_events(max_pending=1)  # the snapshot fills it
     await generate(aengine, "a", PROMPT, max_tokens=30)  # several steps store blocks
-    await asyncio.sleep(0.05)
+    await until(lambda: aengine.num_kv_subscribers == 0, "the stream that fell behind is unsubscribed")
     with pytest.raises(KvEventsOverflowError):
         await next_update(stream)
     assert aengine.num_kv_subscribers == 0 and not aengine.engine.kv_events_enabled

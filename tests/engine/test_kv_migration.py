@@ -212,11 +212,11 @@ def test_blocks_of_a_request_aborted_during_a_forward_are_freed_after_it() -> No
     engine.step()
     written = set(engine.get_block_ids("r") or [])
     assert len(written) == 3
-    engine._forward_in_flight = True  # as step() sets it while the forward runs (white-box: the race is timing-bound)
+    engine._kv.begin_forward()  # as step() does before the forward (white-box: the race is timing-bound)
     assert engine.abort("r")
     with pytest.raises(OutOfBlocks):
         engine.reserve_blocks(6 * 16)  # its 3 blocks are not free yet: only the 5 nobody writes are
-    engine._end_forward()  # the forward ended: its blocks are free now
+    engine._kv.end_forward()  # the forward ended: its blocks are free now
     ids = engine.reserve_blocks(6 * 16)
     assert written & set(ids)
     engine.release_blocks(ids)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import replace
 
 import pytest
@@ -19,7 +18,7 @@ from psrl.engine import (
     SamplingOptions,
 )
 
-from .helpers import collect, make_engine, prompts
+from .helpers import collect, make_engine, prompts, wait_idle
 
 SAMPLED = SamplingOptions(temperature=1.0, max_tokens=8, ignore_eos=True, logprobs=0)
 
@@ -60,7 +59,7 @@ async def test_abort_of_the_request_ends_every_choice(aengine: AsyncEngine) -> N
     finals = [o for o in first + rest if o.finished]
     assert sorted(o.index for o in finals) == [0, 1] and {o.finish_reason for o in finals} == {"abort"}
     assert await aengine.abort("ab") is False
-    await _idle(aengine)
+    await wait_idle(aengine)
     assert aengine.stats().num_used_blocks == 0
 
 
@@ -69,7 +68,7 @@ async def test_leaving_the_stream_aborts_every_choice(aengine: AsyncEngine) -> N
     stream = aengine.generate("gone", p, replace(SAMPLED, n=3, max_tokens=3000))
     await stream.__anext__()
     await stream.aclose()
-    await _idle(aengine)
+    await wait_idle(aengine)
     assert aengine.stats().num_running == 0 and aengine.stats().num_used_blocks == 0
     await collect(aengine.generate("gone", p, replace(SAMPLED, n=2)))  # the id is free again
 
@@ -119,11 +118,3 @@ async def test_a_sync_abort_ends_every_choice_and_pins_none_of_them() -> None:
         assert engine.unpin_kv("one")
     finally:
         aengine.shutdown()
-
-
-async def _idle(aengine: AsyncEngine) -> None:
-    for _ in range(1000):
-        if not aengine.engine.has_unfinished_requests():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("engine never went idle")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from _wait import until
 
 from psrl.engine import (
     AdmissionClosedError,
@@ -16,7 +17,7 @@ from psrl.engine import (
     SyncAbortedRequest,
 )
 
-from .helpers import collect, drain, greedy, make_engine, prompts, run
+from .helpers import collect, drain, greedy, make_engine, prompts, run, step_thread_parked
 
 
 def ids(outs: list[RequestOutput]) -> list[int]:
@@ -155,7 +156,7 @@ async def test_pause_keep_freezes_and_resumes_the_same_tokens(aengine: AsyncEngi
     while not stream._queue.empty():  # what the last step before the pause produced
         outs.append(await stream.__anext__())
     produced = len(ids(outs))
-    await asyncio.sleep(0.1)
+    assert step_thread_parked(aengine)  # frozen: the running request gives it nothing to run
     assert stream._queue.empty() and (aengine.engine.num_running, aengine.stats().num_used_blocks) == frozen_at
     assert produced < 200
     aengine.resume()
@@ -216,8 +217,15 @@ async def test_cancelled_pause_leaves_admission_closed(aengine: AsyncEngine) -> 
 async def test_pause_wait_waits_for_a_request_held_for_its_kv(aengine: AsyncEngine) -> None:
     stream = aengine.generate("held", [1, 2, 3], greedy(3), kv_pending=True)  # its KV is being pulled
     pause = asyncio.ensure_future(aengine.pause(PauseMode.WAIT))
-    await asyncio.sleep(0.1)
-    assert not pause.done()  # it has not run yet: the WAIT pause must not pass it by
+
+    def pause_waits_on_an_idle_engine() -> bool:
+        # A waiter registered while the step thread sits idle (its going idle takes every waiter): the pause
+        # saw the idle engine and still waits, as the held request has not run yet.
+        with aengine._wake:
+            return aengine._idle and bool(aengine._idle_waiters)
+
+    await until(pause_waits_on_an_idle_engine, "the pause waits on an idle engine")
+    assert not pause.done()  # the WAIT pause must not pass the held request by
     assert aengine.attach_kv("held", None)  # the pull ended without KV: it is prefilled
     assert await asyncio.wait_for(pause, 10) == []
     outs = await collect(stream)
