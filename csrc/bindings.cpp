@@ -9,6 +9,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kv_blocks.h"
@@ -23,7 +24,7 @@
 namespace py = pybind11;
 using psrl::kv::CopyDirection;
 using psrl::kv::CopyPlan;
-using psrl::kv::PagedCacheLayout;
+using psrl::kv::KVCacheLayout;
 using psrl::kv::ShmSegment;
 
 namespace {
@@ -31,54 +32,73 @@ namespace {
 using BlockIds = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 using OptInt = std::optional<int64_t>;
 
-CopyPlan plan_from_args(const std::vector<uintptr_t>& layer_ptrs, int64_t num_blocks, int64_t block_size,
-                        int64_t num_kv_heads, int64_t head_size, int64_t itemsize, int64_t kv_stride,
-                        int64_t block_stride, const BlockIds& block_ids, uintptr_t buffer_ptr,
-                        size_t buffer_nbytes, CopyDirection direction, OptInt token_stride, OptInt head_stride,
-                        OptInt last_block_tokens) {
+KVCacheLayout make_layout(std::vector<uintptr_t> layer_ptrs, int64_t num_blocks, int64_t block_size,
+                          int64_t num_kv_heads, int64_t head_size, int64_t itemsize, int64_t kv_stride,
+                          int64_t block_stride, OptInt token_stride, OptInt head_stride) {
+  // Defaults: NHD with a contiguous block, the layout before strides were configurable.
+  KVCacheLayout layout{std::move(layer_ptrs),
+                       num_blocks,
+                       block_size,
+                       num_kv_heads,
+                       head_size,
+                       itemsize,
+                       kv_stride,
+                       block_stride,
+                       token_stride.value_or(num_kv_heads * head_size),
+                       head_stride.value_or(head_size)};
+  psrl::kv::validate_layout(layout);
+  return layout;
+}
+
+CopyPlan make_plan(const KVCacheLayout& layout, const BlockIds& block_ids, uintptr_t buffer_ptr,
+                   size_t buffer_nbytes, CopyDirection direction, OptInt last_block_tokens) {
   if (block_ids.ndim() != 1) {
     throw py::value_error("block_ids must be one-dimensional");
   }
-  // Defaults: NHD with a contiguous block, the layout before strides were configurable.
-  PagedCacheLayout layout{num_blocks,
-                          block_size,
-                          num_kv_heads,
-                          head_size,
-                          itemsize,
-                          kv_stride,
-                          block_stride,
-                          token_stride.value_or(num_kv_heads * head_size),
-                          head_stride.value_or(head_size)};
   // The plan copies the ids, so other Python threads cannot change them mid-copy.
-  return psrl::kv::make_copy_plan(layout, layer_ptrs, block_ids.data(), static_cast<size_t>(block_ids.size()),
-                                  buffer_ptr, buffer_nbytes, direction, last_block_tokens.value_or(-1));
+  return psrl::kv::make_copy_plan(layout, block_ids.data(), static_cast<size_t>(block_ids.size()), buffer_ptr,
+                                  buffer_nbytes, direction, last_block_tokens.value_or(-1));
 }
 
 template <CopyDirection kDirection>
-void copy_host(const std::vector<uintptr_t>& layer_ptrs, int64_t num_blocks, int64_t block_size,
-               int64_t num_kv_heads, int64_t head_size, int64_t itemsize, int64_t kv_stride,
-               int64_t block_stride, const BlockIds& block_ids, uintptr_t buffer_ptr, size_t buffer_nbytes,
-               int num_threads, OptInt token_stride, OptInt head_stride, OptInt last_block_tokens) {
-  const CopyPlan plan =
-      plan_from_args(layer_ptrs, num_blocks, block_size, num_kv_heads, head_size, itemsize, kv_stride, block_stride,
-                     block_ids, buffer_ptr, buffer_nbytes, kDirection, token_stride, head_stride, last_block_tokens);
+void copy_host(const KVCacheLayout& layout, const BlockIds& block_ids, uintptr_t buffer_ptr, size_t buffer_nbytes,
+               int num_threads, OptInt last_block_tokens) {
+  const CopyPlan plan = make_plan(layout, block_ids, buffer_ptr, buffer_nbytes, kDirection, last_block_tokens);
   py::gil_scoped_release release;
   psrl::kv::copy_blocks_host(plan, kDirection, num_threads);
 }
 
 #ifdef PSRL_WITH_CUDA
 template <CopyDirection kDirection>
-void copy_cuda(const std::vector<uintptr_t>& layer_ptrs, int64_t num_blocks, int64_t block_size,
-               int64_t num_kv_heads, int64_t head_size, int64_t itemsize, int64_t kv_stride,
-               int64_t block_stride, const BlockIds& block_ids, uintptr_t buffer_ptr, size_t buffer_nbytes,
-               int device, uintptr_t stream, OptInt token_stride, OptInt head_stride, OptInt last_block_tokens) {
-  const CopyPlan plan =
-      plan_from_args(layer_ptrs, num_blocks, block_size, num_kv_heads, head_size, itemsize, kv_stride, block_stride,
-                     block_ids, buffer_ptr, buffer_nbytes, kDirection, token_stride, head_stride, last_block_tokens);
+void copy_cuda(const KVCacheLayout& layout, const BlockIds& block_ids, uintptr_t buffer_ptr, size_t buffer_nbytes,
+               int device, uintptr_t stream, OptInt last_block_tokens) {
+  const CopyPlan plan = make_plan(layout, block_ids, buffer_ptr, buffer_nbytes, kDirection, last_block_tokens);
   py::gil_scoped_release release;
   psrl::kv::copy_blocks_cuda(plan, kDirection, device, stream);
 }
 #endif
+
+void bind_layout(py::module_& m) {
+  py::class_<KVCacheLayout>(
+      m, "KVCacheLayout",
+      "Layer pointers, shape and strides of a paged KV cache, checked once: per layer\n"
+      "[2, num_blocks, block_size, num_kv_heads, head_size] with kv_stride, block_stride, token_stride and\n"
+      "head_stride in elements (None: NHD, token_stride = num_kv_heads * head_size, head_stride = head_size)\n"
+      "and contiguous heads. Immutable.")
+      .def(py::init(&make_layout), py::arg("layer_ptrs"), py::arg("num_blocks"), py::arg("block_size"),
+           py::arg("num_kv_heads"), py::arg("head_size"), py::arg("itemsize"), py::arg("kv_stride"),
+           py::arg("block_stride"), py::arg("token_stride") = py::none(), py::arg("head_stride") = py::none())
+      .def_readonly("layer_ptrs", &KVCacheLayout::layer_ptrs)
+      .def_readonly("num_blocks", &KVCacheLayout::num_blocks)
+      .def_readonly("block_size", &KVCacheLayout::block_size)
+      .def_readonly("num_kv_heads", &KVCacheLayout::num_kv_heads)
+      .def_readonly("head_size", &KVCacheLayout::head_size)
+      .def_readonly("itemsize", &KVCacheLayout::itemsize)
+      .def_readonly("kv_stride", &KVCacheLayout::kv_stride)
+      .def_readonly("block_stride", &KVCacheLayout::block_stride)
+      .def_readonly("token_stride", &KVCacheLayout::token_stride)
+      .def_readonly("head_stride", &KVCacheLayout::head_stride);
+}
 
 // --- ShmSegment with a buffer protocol that counts its exports ---------------------------------------
 //
@@ -322,27 +342,21 @@ PYBIND11_MODULE(_kvx, m) {
   });
   py::register_exception<psrl::kv::nccl::NcclUnavailable>(m, "NcclUnavailableError", PyExc_RuntimeError);
 
-  const char* host_args_doc =
-      "Layout per layer: [2, num_blocks, block_size, num_kv_heads, head_size] with kv_stride, block_stride,\n"
-      "token_stride and head_stride in elements (None: NHD, token_stride = num_kv_heads * head_size,\n"
-      "head_stride = head_size) and contiguous heads. Buffer: contiguous\n"
-      "[num_layers, 2, len(block_ids), block_size, num_kv_heads, head_size]. last_block_tokens (None: all):\n"
-      "tokens of the last id's block that move; on gather the rest of its buffer slot is zeroed.";
+  bind_layout(m);
+  const char* copy_doc =
+      "Buffer: contiguous [num_layers, 2, len(block_ids), block_size, num_kv_heads, head_size].\n"
+      "last_block_tokens (None: all): tokens of the last id's block that move; on gather the rest of its\n"
+      "buffer slot is zeroed.";
 
-  m.def("gather_blocks", &copy_host<CopyDirection::kGather>, py::arg("layer_ptrs"), py::arg("num_blocks"),
-        py::arg("block_size"), py::arg("num_kv_heads"), py::arg("head_size"), py::arg("itemsize"),
-        py::arg("kv_stride"), py::arg("block_stride"), py::arg("block_ids"), py::arg("dst_ptr"),
-        py::arg("dst_nbytes"), py::arg("num_threads") = 0, py::arg("token_stride") = py::none(),
-        py::arg("head_stride") = py::none(), py::arg("last_block_tokens") = py::none(),
-        (std::string("Copy cache blocks block_ids of every layer into the buffer at dst_ptr.\n") + host_args_doc)
-            .c_str());
-  m.def("scatter_blocks", &copy_host<CopyDirection::kScatter>, py::arg("layer_ptrs"), py::arg("num_blocks"),
-        py::arg("block_size"), py::arg("num_kv_heads"), py::arg("head_size"), py::arg("itemsize"),
-        py::arg("kv_stride"), py::arg("block_stride"), py::arg("block_ids"), py::arg("src_ptr"),
-        py::arg("src_nbytes"), py::arg("num_threads") = 0, py::arg("token_stride") = py::none(),
-        py::arg("head_stride") = py::none(), py::arg("last_block_tokens") = py::none(),
+  m.def("gather_blocks", &copy_host<CopyDirection::kGather>, py::arg("layout"), py::arg("block_ids"),
+        py::arg("dst_ptr"), py::arg("dst_nbytes"), py::arg("num_threads") = 0,
+        py::arg("last_block_tokens") = py::none(),
+        (std::string("Copy cache blocks block_ids of every layer into the buffer at dst_ptr.\n") + copy_doc).c_str());
+  m.def("scatter_blocks", &copy_host<CopyDirection::kScatter>, py::arg("layout"), py::arg("block_ids"),
+        py::arg("src_ptr"), py::arg("src_nbytes"), py::arg("num_threads") = 0,
+        py::arg("last_block_tokens") = py::none(),
         (std::string("Copy the buffer at src_ptr into cache blocks block_ids (distinct) of every layer.\n") +
-         host_args_doc)
+         copy_doc)
             .c_str());
   m.def("default_num_threads", &psrl::kv::default_num_threads,
         "Worker threads used when num_threads is 0: min(hardware_concurrency, 8).");
@@ -379,17 +393,12 @@ PYBIND11_MODULE(_kvx, m) {
 
 #ifdef PSRL_WITH_CUDA
   m.attr("HAS_CUDA") = true;
-  m.def("cuda_gather_blocks", &copy_cuda<CopyDirection::kGather>, py::arg("layer_ptrs"), py::arg("num_blocks"),
-        py::arg("block_size"), py::arg("num_kv_heads"), py::arg("head_size"), py::arg("itemsize"),
-        py::arg("kv_stride"), py::arg("block_stride"), py::arg("block_ids"), py::arg("dst_ptr"),
-        py::arg("dst_nbytes"), py::arg("device") = 0, py::arg("stream") = 0, py::arg("token_stride") = py::none(),
-        py::arg("head_stride") = py::none(), py::arg("last_block_tokens") = py::none(),
+  m.def("cuda_gather_blocks", &copy_cuda<CopyDirection::kGather>, py::arg("layout"), py::arg("block_ids"),
+        py::arg("dst_ptr"), py::arg("dst_nbytes"), py::arg("device") = 0, py::arg("stream") = 0,
+        py::arg("last_block_tokens") = py::none(),
         "gather_blocks over device pointers: one kernel over all layers on `stream`, no sync (the caller syncs).");
-  m.def("cuda_scatter_blocks", &copy_cuda<CopyDirection::kScatter>, py::arg("layer_ptrs"),
-        py::arg("num_blocks"), py::arg("block_size"), py::arg("num_kv_heads"), py::arg("head_size"),
-        py::arg("itemsize"), py::arg("kv_stride"), py::arg("block_stride"), py::arg("block_ids"),
+  m.def("cuda_scatter_blocks", &copy_cuda<CopyDirection::kScatter>, py::arg("layout"), py::arg("block_ids"),
         py::arg("src_ptr"), py::arg("src_nbytes"), py::arg("device") = 0, py::arg("stream") = 0,
-        py::arg("token_stride") = py::none(), py::arg("head_stride") = py::none(),
         py::arg("last_block_tokens") = py::none(),
         "scatter_blocks over device pointers: one kernel over all layers on `stream`, no sync (the caller syncs).");
   m.def("cuda_device_count", &psrl::kv::cuda_device_count, "Visible CUDA devices; 0 without a driver.");

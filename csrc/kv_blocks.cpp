@@ -30,21 +30,9 @@ void require_positive(int64_t value, const char* name) {
   }
 }
 
-void validate_layout(const PagedCacheLayout& layout) {
-  require_positive(layout.num_blocks, "num_blocks");
-  require_positive(layout.block_size, "block_size");
-  require_positive(layout.num_kv_heads, "num_kv_heads");
-  require_positive(layout.head_size, "head_size");
-  if (layout.itemsize != 2 && layout.itemsize != 4) {
-    throw std::invalid_argument("itemsize must be 2 (fp16/bf16) or 4 (fp32), got " +
-                                std::to_string(layout.itemsize));
-  }
-  (void)layout.block_bytes();  // throws on overflow
-}
-
 // Rejects strides under which two elements of one layer's cache share memory:
 // a scatter through them would depend on the order threads write in.
-void check_no_overlap(const PagedCacheLayout& layout) {
+void check_no_overlap(const KVCacheLayout& layout) {
   struct Dim {
     int64_t size;
     int64_t stride;  // elements, absolute value
@@ -89,7 +77,7 @@ UnitAddress unit_address(const CopyPlan& plan, size_t unit, size_t block_bytes) 
   const int64_t kv = static_cast<int64_t>(layer_kv % 2);
   const int64_t offset = kv * plan.layout.kv_stride_bytes() +
                          plan.block_ids[id_index] * plan.layout.block_stride_bytes();
-  char* cache = reinterpret_cast<char*>(plan.layer_ptrs[layer]) + offset;
+  char* cache = reinterpret_cast<char*>(plan.layout.layer_ptrs[layer]) + offset;
   char* buffer = reinterpret_cast<char*>(plan.buffer) + unit * block_bytes;
   const int64_t tokens = id_index + 1 == num_ids ? plan.last_block_tokens : plan.layout.block_size;
   return {cache, buffer, tokens};
@@ -106,7 +94,7 @@ inline void move(char* cache, char* buffer, size_t nbytes) {
 
 template <CopyDirection kDirection>
 void copy_unit_range(const CopyPlan& plan, size_t begin, size_t end) {
-  const PagedCacheLayout& layout = plan.layout;
+  const KVCacheLayout& layout = plan.layout;
   const size_t block_bytes = layout.block_bytes();
   const size_t token_bytes = layout.token_bytes();
   const size_t row_bytes = layout.row_bytes();
@@ -148,28 +136,48 @@ void copy_unit_range_dispatch(const CopyPlan& plan, CopyDirection direction, siz
 
 }  // namespace
 
-size_t PagedCacheLayout::row_bytes() const {
+void validate_layout(const KVCacheLayout& layout) {
+  require_positive(layout.num_blocks, "num_blocks");
+  require_positive(layout.block_size, "block_size");
+  require_positive(layout.num_kv_heads, "num_kv_heads");
+  require_positive(layout.head_size, "head_size");
+  if (layout.itemsize != 2 && layout.itemsize != 4) {
+    throw std::invalid_argument("itemsize must be 2 (fp16/bf16) or 4 (fp32), got " +
+                                std::to_string(layout.itemsize));
+  }
+  (void)layout.block_bytes();  // throws on overflow
+  if (layout.layer_ptrs.empty()) {
+    throw std::invalid_argument("layer_ptrs is empty: need at least one layer");
+  }
+  for (size_t i = 0; i < layout.layer_ptrs.size(); ++i) {
+    if (layout.layer_ptrs[i] == 0) {
+      throw std::invalid_argument("layer_ptrs[" + std::to_string(i) + "] is a null pointer");
+    }
+  }
+}
+
+size_t KVCacheLayout::row_bytes() const {
   return checked_mul(static_cast<size_t>(head_size), static_cast<size_t>(itemsize), "block size");
 }
 
-size_t PagedCacheLayout::token_bytes() const {
+size_t KVCacheLayout::token_bytes() const {
   return checked_mul(static_cast<size_t>(num_kv_heads), row_bytes(), "block size");
 }
 
-size_t PagedCacheLayout::block_bytes() const {
+size_t KVCacheLayout::block_bytes() const {
   return checked_mul(static_cast<size_t>(block_size), token_bytes(), "block size");
 }
 
-bool PagedCacheLayout::token_is_contiguous() const {
+bool KVCacheLayout::token_is_contiguous() const {
   return num_kv_heads == 1 || head_stride == head_size;
 }
 
-bool PagedCacheLayout::block_is_contiguous() const {
+bool KVCacheLayout::block_is_contiguous() const {
   return token_is_contiguous() && (block_size == 1 || token_stride == num_kv_heads * head_size);
 }
 
-size_t transfer_nbytes(const PagedCacheLayout& layout, size_t num_layers, size_t num_ids) {
-  const size_t units = checked_mul(checked_mul(num_layers, 2, "transfer"), num_ids, "transfer");
+size_t transfer_nbytes(const KVCacheLayout& layout, size_t num_ids) {
+  const size_t units = checked_mul(checked_mul(layout.num_layers(), 2, "transfer"), num_ids, "transfer");
   return checked_mul(units, layout.block_bytes(), "transfer");
 }
 
@@ -178,10 +186,8 @@ int default_num_threads() {
   return std::max(1, std::min(static_cast<int>(hw), kMaxDefaultThreads));
 }
 
-CopyPlan make_copy_plan(const PagedCacheLayout& layout, std::vector<uintptr_t> layer_ptrs,
-                        const int64_t* block_ids, size_t num_ids, uintptr_t buffer,
+CopyPlan make_copy_plan(const KVCacheLayout& layout, const int64_t* block_ids, size_t num_ids, uintptr_t buffer,
                         size_t buffer_nbytes, CopyDirection direction, int64_t last_block_tokens) {
-  validate_layout(layout);
   if (last_block_tokens < 0) {
     last_block_tokens = layout.block_size;
   } else if (last_block_tokens == 0 || last_block_tokens > layout.block_size) {
@@ -190,14 +196,6 @@ CopyPlan make_copy_plan(const PagedCacheLayout& layout, std::vector<uintptr_t> l
   }
   if (direction == CopyDirection::kScatter) {
     check_no_overlap(layout);
-  }
-  if (layer_ptrs.empty()) {
-    throw std::invalid_argument("layer_ptrs is empty: need at least one layer");
-  }
-  for (size_t i = 0; i < layer_ptrs.size(); ++i) {
-    if (layer_ptrs[i] == 0) {
-      throw std::invalid_argument("layer_ptrs[" + std::to_string(i) + "] is a null pointer");
-    }
   }
   std::vector<bool> seen;
   if (direction == CopyDirection::kScatter) {
@@ -218,10 +216,10 @@ CopyPlan make_copy_plan(const PagedCacheLayout& layout, std::vector<uintptr_t> l
       seen[static_cast<size_t>(id)] = true;
     }
   }
-  const size_t expected = transfer_nbytes(layout, layer_ptrs.size(), num_ids);
+  const size_t expected = transfer_nbytes(layout, num_ids);
   if (buffer_nbytes != expected) {
     throw std::invalid_argument("buffer has " + std::to_string(buffer_nbytes) + " bytes, expected " +
-                                std::to_string(expected) + " for " + std::to_string(layer_ptrs.size()) +
+                                std::to_string(expected) + " for " + std::to_string(layout.num_layers()) +
                                 " layers x 2 x " + std::to_string(num_ids) + " blocks");
   }
   if (expected > 0 && buffer == 0) {
@@ -229,7 +227,6 @@ CopyPlan make_copy_plan(const PagedCacheLayout& layout, std::vector<uintptr_t> l
   }
   CopyPlan plan;
   plan.layout = layout;
-  plan.layer_ptrs = std::move(layer_ptrs);
   plan.block_ids.assign(block_ids, block_ids + num_ids);
   plan.buffer = buffer;
   plan.buffer_nbytes = buffer_nbytes;

@@ -24,8 +24,10 @@ namespace psrl::kv {
 
 enum class CopyDirection { kGather, kScatter };
 
-// Shape and strides of one layer of the paged cache; all layers share it.
-struct PagedCacheLayout {
+// Layer pointers, shape and strides of a paged cache (every layer shares the
+// shape and strides). Built once per cache and checked by validate_layout.
+struct KVCacheLayout {
+  std::vector<uintptr_t> layer_ptrs;
   int64_t num_blocks = 0;
   int64_t block_size = 0;
   int64_t num_kv_heads = 0;
@@ -36,6 +38,7 @@ struct PagedCacheLayout {
   int64_t token_stride = 0;  // elements between consecutive tokens of a block (NHD: heads * head_size)
   int64_t head_stride = 0;   // elements between consecutive heads of a token (NHD: head_size)
 
+  size_t num_layers() const { return layer_ptrs.size(); }
   // Bytes of one block of one half (K or V) of one layer: the buffer's copy unit.
   size_t block_bytes() const;
   // Bytes of one token's heads in the buffer: num_kv_heads * head_size * itemsize.
@@ -53,29 +56,32 @@ struct PagedCacheLayout {
   bool token_is_contiguous() const;
 };
 
+// Checks the geometry (positive sizes, itemsize 2 or 4, no size_t overflow)
+// and that there is at least one layer and no null layer pointer.
+void validate_layout(const KVCacheLayout& layout);
+
 // Everything a copy needs, validated once by make_copy_plan.
 struct CopyPlan {
-  PagedCacheLayout layout;
-  std::vector<uintptr_t> layer_ptrs;
+  KVCacheLayout layout;
   std::vector<int64_t> block_ids;
   uintptr_t buffer = 0;
   size_t buffer_nbytes = 0;
   int64_t last_block_tokens = 0;  // tokens copied from/to the last id's block (block_size: all)
 
-  size_t num_units() const { return layer_ptrs.size() * 2 * block_ids.size(); }
+  size_t num_units() const { return layout.num_layers() * 2 * block_ids.size(); }
   bool partial_last_block() const { return last_block_tokens < layout.block_size; }
 };
 
-// Checks layout, pointers, ids (in range; unique for scatter so the result does
-// not depend on thread order), that buffer_nbytes is exactly the transfer size,
-// that 1 <= last_block_tokens <= block_size (< 0: the whole block) and, for
-// scatter, that no two elements of one layer's cache share memory.
-CopyPlan make_copy_plan(const PagedCacheLayout& layout, std::vector<uintptr_t> layer_ptrs,
-                        const int64_t* block_ids, size_t num_ids, uintptr_t buffer,
+// For a layout that passed validate_layout, checks the ids (in range; unique for
+// scatter so the result does not depend on thread order), that buffer_nbytes is
+// exactly the transfer size, that 1 <= last_block_tokens <= block_size (< 0: the
+// whole block) and, for scatter, that no two elements of one layer's cache share
+// memory.
+CopyPlan make_copy_plan(const KVCacheLayout& layout, const int64_t* block_ids, size_t num_ids, uintptr_t buffer,
                         size_t buffer_nbytes, CopyDirection direction, int64_t last_block_tokens = -1);
 
-// Bytes moved by a transfer of num_ids blocks across num_layers layers.
-size_t transfer_nbytes(const PagedCacheLayout& layout, size_t num_layers, size_t num_ids);
+// Bytes moved by a transfer of num_ids blocks of every layer.
+size_t transfer_nbytes(const KVCacheLayout& layout, size_t num_ids);
 
 // Default worker count: min(hardware_concurrency, 8), at least 1.
 int default_num_threads();

@@ -1,9 +1,10 @@
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
-#include <vector>
 
 #include "cuda_util.h"
 #include "kv_blocks_cuda.cuh"
@@ -15,21 +16,30 @@ constexpr int kThreadsPerBlock = 256;
 constexpr int kUnroll = 4;
 constexpr int64_t kMaxGridBlocks = 65535;  // a grid-stride loop covers the rest
 
+// The pointer table (layer pointers, then the block ids of one launch) travels
+// in the kernel's parameters: nothing is allocated or copied per copy, and
+// nothing waits for the device. Parameters up to 32764 bytes need sm_70 and
+// CUDA 12.1; a transfer with more ids than fit is split over several launches.
+constexpr int64_t kTableWords = 4000;
+
 struct KernelArgs {
-  const uintptr_t* layer_ptrs;  // device array [num_layers]
-  const int64_t* block_ids;     // device array [num_ids]
-  int64_t num_ids;
-  int64_t num_units;            // num_layers * 2 * num_ids
+  int64_t table[kTableWords];  // [num_layers] layer pointers, then [launch_ids] block ids
+  int64_t num_layers;
+  int64_t launch_ids;          // block ids in this launch
+  int64_t first_id;            // index in the transfer of this launch's first id
+  int64_t num_ids;             // block ids in the whole transfer (the buffer's third dim)
+  int64_t num_units;           // num_layers * 2 * launch_ids
   int64_t kv_stride_bytes;
   int64_t block_stride_bytes;
-  int64_t token_stride_bytes;   // strided path only
-  int64_t head_stride_bytes;    // strided path only
-  int vecs_per_unit;            // block_bytes / sizeof(VecT)
-  int vecs_last_unit;           // vectors of the last id's (maybe partial) block
-  int vecs_per_row;             // head_size * itemsize / sizeof(VecT)
+  int64_t token_stride_bytes;  // strided path only
+  int64_t head_stride_bytes;   // strided path only
+  int vecs_per_unit;           // block_bytes / sizeof(VecT)
+  int vecs_last_unit;          // vectors of the last id's (maybe partial) block
+  int vecs_per_row;            // head_size * itemsize / sizeof(VecT)
   int num_kv_heads;
   char* buffer;
 };
+static_assert(sizeof(KernelArgs) <= 32764, "kernel parameters are limited to 32764 bytes");
 
 // One CUDA block per (layer, kv, block) unit, all layers in one launch; threads
 // stride over the unit's vectors. VecT is the widest type (up to 16 bytes)
@@ -37,15 +47,16 @@ struct KernelArgs {
 // is laid out like the buffer block (NHD), so the copy is linear; otherwise
 // (HND, ...) each vector's token and head are derived from its buffer index.
 template <typename VecT, bool kGather, bool kContiguous>
-__global__ void copy_blocks_kernel(const KernelArgs args) {
+__global__ void copy_blocks_kernel(const __grid_constant__ KernelArgs args) {
   for (int64_t unit = blockIdx.x; unit < args.num_units; unit += gridDim.x) {
-    const int64_t id_index = unit % args.num_ids;
-    const int64_t layer_kv = unit / args.num_ids;
+    const int64_t local = unit % args.launch_ids;
+    const int64_t layer_kv = unit / args.launch_ids;
     const int64_t layer = layer_kv >> 1;
     const int64_t kv = layer_kv & 1;
-    char* cache = reinterpret_cast<char*>(args.layer_ptrs[layer]) + kv * args.kv_stride_bytes +
-                  args.block_ids[id_index] * args.block_stride_bytes;
-    VecT* buffer = reinterpret_cast<VecT*>(args.buffer) + unit * args.vecs_per_unit;
+    const int64_t id_index = args.first_id + local;
+    char* cache = reinterpret_cast<char*>(static_cast<uintptr_t>(args.table[layer])) + kv * args.kv_stride_bytes +
+                  args.table[args.num_layers + local] * args.block_stride_bytes;
+    VecT* buffer = reinterpret_cast<VecT*>(args.buffer) + (layer_kv * args.num_ids + id_index) * args.vecs_per_unit;
     const int vecs = id_index + 1 == args.num_ids ? args.vecs_last_unit : args.vecs_per_unit;
     const int step = blockDim.x;
     int i = threadIdx.x;
@@ -105,7 +116,7 @@ void launch_direction(const KernelArgs& args, bool contiguous, cudaStream_t stre
 }
 
 template <typename VecT>
-void launch(KernelArgs args, const PagedCacheLayout& layout, int64_t last_block_tokens, CopyDirection direction,
+void launch(KernelArgs& args, const KVCacheLayout& layout, int64_t last_block_tokens, CopyDirection direction,
             cudaStream_t stream) {
   const int64_t vec = static_cast<int64_t>(sizeof(VecT));
   args.vecs_per_unit = static_cast<int>(static_cast<int64_t>(layout.block_bytes()) / vec);
@@ -121,7 +132,7 @@ void launch(KernelArgs args, const PagedCacheLayout& layout, int64_t last_block_
 
 // Largest power of two <= 16 dividing every address, stride and size the kernel touches.
 size_t common_alignment(const CopyPlan& plan) {
-  const PagedCacheLayout& layout = plan.layout;
+  const KVCacheLayout& layout = plan.layout;
   uint64_t bits = plan.buffer | static_cast<uint64_t>(layout.block_bytes()) |
                   static_cast<uint64_t>(layout.kv_stride_bytes()) |
                   static_cast<uint64_t>(layout.block_stride_bytes());
@@ -132,7 +143,7 @@ size_t common_alignment(const CopyPlan& plan) {
     bits |= static_cast<uint64_t>(layout.row_bytes()) | static_cast<uint64_t>(layout.token_stride_bytes()) |
             static_cast<uint64_t>(layout.head_stride_bytes());
   }
-  for (uintptr_t p : plan.layer_ptrs) {
+  for (uintptr_t p : plan.layout.layer_ptrs) {
     bits |= p;
   }
   size_t align = 16;
@@ -161,48 +172,45 @@ void copy_blocks_cuda(const CopyPlan& plan, CopyDirection direction, int device,
   if (plan.layout.block_bytes() > static_cast<size_t>(INT32_MAX)) {
     throw std::invalid_argument("a block of one layer is over 2 GiB: not supported by the CUDA path");
   }
+  const KVCacheLayout& layout = plan.layout;
+  const int64_t num_layers = static_cast<int64_t>(layout.num_layers());
+  if (num_layers >= kTableWords) {
+    throw std::invalid_argument("the CUDA path copies at most " + std::to_string(kTableWords - 1) + " layers, got " +
+                                std::to_string(num_layers));
+  }
   DeviceGuard guard(device);
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
 
-  // Layer pointers and ids travel in one stream-ordered allocation; a
-  // cudaMemcpyAsync from pageable memory is staged before it returns, so the
-  // host vector may die right after, and nothing here waits for the device.
-  const size_t num_layers = plan.layer_ptrs.size();
-  const size_t num_ids = plan.block_ids.size();
-  std::vector<int64_t> host_args(num_layers + num_ids);
-  std::memcpy(host_args.data(), plan.layer_ptrs.data(), num_layers * sizeof(int64_t));
-  std::memcpy(host_args.data() + num_layers, plan.block_ids.data(), num_ids * sizeof(int64_t));
-  const size_t args_bytes = host_args.size() * sizeof(int64_t);
-  void* device_args = nullptr;
-  check_cuda(cudaMallocAsync(&device_args, args_bytes, stream), "cudaMallocAsync");
-  cudaError_t err = cudaMemcpyAsync(device_args, host_args.data(), args_bytes, cudaMemcpyHostToDevice, stream);
-
-  if (err == cudaSuccess) {
-    const PagedCacheLayout& layout = plan.layout;
-    KernelArgs args{};
-    args.layer_ptrs = static_cast<const uintptr_t*>(device_args);
-    args.block_ids = static_cast<const int64_t*>(device_args) + num_layers;
-    args.num_ids = static_cast<int64_t>(num_ids);
-    args.num_units = num_units;
-    args.kv_stride_bytes = layout.kv_stride_bytes();
-    args.block_stride_bytes = layout.block_stride_bytes();
-    args.token_stride_bytes = layout.token_stride_bytes();
-    args.head_stride_bytes = layout.head_stride_bytes();
-    args.num_kv_heads = static_cast<int>(layout.num_kv_heads);
-    args.buffer = reinterpret_cast<char*>(plan.buffer);
-    const int64_t last = plan.last_block_tokens;
-    switch (common_alignment(plan)) {
-      case 16: launch<int4>(args, layout, last, direction, stream); break;
-      case 8: launch<int2>(args, layout, last, direction, stream); break;
-      case 4: launch<int>(args, layout, last, direction, stream); break;
-      case 2: launch<short>(args, layout, last, direction, stream); break;
-      default: launch<char>(args, layout, last, direction, stream); break;
+  // Large (32 KB) and built on the heap once per copy: the launches copy it into their parameters.
+  auto args = std::make_unique<KernelArgs>();
+  std::memcpy(args->table, layout.layer_ptrs.data(), layout.layer_ptrs.size() * sizeof(int64_t));
+  args->num_layers = num_layers;
+  args->num_ids = static_cast<int64_t>(plan.block_ids.size());
+  args->kv_stride_bytes = layout.kv_stride_bytes();
+  args->block_stride_bytes = layout.block_stride_bytes();
+  args->token_stride_bytes = layout.token_stride_bytes();
+  args->head_stride_bytes = layout.head_stride_bytes();
+  args->num_kv_heads = static_cast<int>(layout.num_kv_heads);
+  args->buffer = reinterpret_cast<char*>(plan.buffer);
+  const int64_t last = plan.last_block_tokens;
+  const size_t align = common_alignment(plan);
+  const int64_t ids_per_launch = kTableWords - num_layers;
+  for (int64_t first = 0; first < args->num_ids; first += ids_per_launch) {
+    const int64_t count = std::min(ids_per_launch, args->num_ids - first);
+    std::memcpy(args->table + num_layers, plan.block_ids.data() + first, static_cast<size_t>(count) * sizeof(int64_t));
+    args->first_id = first;
+    args->launch_ids = count;
+    args->num_units = num_layers * 2 * count;
+    switch (align) {
+      case 16: launch<int4>(*args, layout, last, direction, stream); break;
+      case 8: launch<int2>(*args, layout, last, direction, stream); break;
+      case 4: launch<int>(*args, layout, last, direction, stream); break;
+      case 2: launch<short>(*args, layout, last, direction, stream); break;
+      default: launch<char>(*args, layout, last, direction, stream); break;
     }
-    err = cudaGetLastError();
+    check_cuda(cudaGetLastError(),
+               direction == CopyDirection::kGather ? "gather_blocks kernel" : "scatter_blocks kernel");
   }
-  const cudaError_t free_err = cudaFreeAsync(device_args, stream);
-  check_cuda(err, direction == CopyDirection::kGather ? "gather_blocks kernel" : "scatter_blocks kernel");
-  check_cuda(free_err, "cudaFreeAsync");
 }
 
 }  // namespace psrl::kv

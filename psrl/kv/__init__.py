@@ -3,7 +3,9 @@ descriptors, LMCache-compatible chunk keys, the transfer planner and the channel
 
 from psrl.kv.blocks import (
     HAS_CUDA,
+    ArrayLike,
     KVCacheLayout,
+    TensorLike,
     buffer_shape,
     describe_kv_cache,
     gather_blocks,
@@ -30,11 +32,12 @@ from psrl.kv.channels import (
     shm_send,
 )
 from psrl.kv.chunk_keys import CacheEngineKey, ChunkKeyError, chunk_hashes, chunk_keys, chunk_ranges, none_hash
-from psrl.kv.layout import KVLayoutSpec, LayoutError, LayoutMismatch, check_compatible
+from psrl.kv.layout import KVCacheSpec, LayoutError, LayoutMismatch, check_compatible
 from psrl.kv.planner import BlockCopy, BlockSizeMismatch, NotEnoughBlocks, PlanError, TransferPlan, plan_transfer
 
 __all__ = [
     "HAS_CUDA",
+    "ArrayLike",
     "BlockCopy",
     "BlockSizeMismatch",
     "CacheEngineKey",
@@ -44,9 +47,9 @@ __all__ = [
     "CudaIpcExport",
     "CudaUnavailableError",
     "KVCacheLayout",
+    "KVCacheSpec",
     "KVChannelError",
     "KVLayoutMismatchError",
-    "KVLayoutSpec",
     "LayoutError",
     "LayoutMismatch",
     "NcclChannel",
@@ -59,6 +62,7 @@ __all__ = [
     "ShmSegmentNotFoundError",
     "ShmSizeMismatchError",
     "ShmTransfer",
+    "TensorLike",
     "TransferPlan",
     "buffer_shape",
     "check_compatible",

@@ -13,17 +13,22 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import cached_property
+from typing import Any, Protocol, TypeAlias, TypeVar, cast, overload
 
 import numpy as np
 import numpy.typing as npt
 
-import psrl._kvx as _kvx  # native module; mypy treats it as untyped
+import psrl._kvx as _kvx  # typed by psrl/_kvx.pyi
 
 __all__ = [
     "HAS_CUDA",
+    "ArrayLike",
+    "BlockIds",
+    "DeviceLike",
     "KVCacheLayout",
     "KVLayoutMismatchError",
+    "TensorLike",
     "buffer_shape",
     "describe_kv_cache",
     "gather_blocks",
@@ -33,9 +38,46 @@ __all__ = [
 
 HAS_CUDA: bool = bool(_kvx.HAS_CUDA)
 
-# A numpy array or a torch tensor (CPU or CUDA); see _TensorView for what is read from it.
-ArrayLike = Any
-BlockIds = Sequence[int] | npt.NDArray[np.integer] | Any
+
+class DeviceLike(Protocol):
+    """What psrl.kv reads of a ``torch.device``."""
+
+    @property
+    def type(self) -> str: ...
+
+    @property
+    def index(self) -> int | None: ...
+
+
+class TensorLike(Protocol):
+    """What psrl.kv reads of a torch tensor (CPU or CUDA), or of a tensor-like such as
+    ``psrl.kv.channels.DeviceArray``: torch is never imported here."""
+
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+    @property
+    def dtype(self) -> object: ...  # its str() is "torch.float16", "torch.bfloat16", ...
+
+    @property
+    def device(self) -> DeviceLike: ...
+
+    @property
+    def is_cuda(self) -> bool: ...
+
+    def data_ptr(self) -> int: ...
+
+    def element_size(self) -> int: ...
+
+    def stride(self) -> tuple[int, ...]: ...  # in elements
+
+
+# A cache or a transfer buffer: a numpy array or a tensor (see _TensorView for what is read from it).
+ArrayLike: TypeAlias = npt.NDArray[Any] | TensorLike
+# gather_blocks returns the kind of array it was given (its ``out``, or one like the caches).
+ArrayT = TypeVar("ArrayT", bound=ArrayLike)
+# Block ids: ints, a 1-D integer numpy array, or a 1-D integer torch tensor.
+BlockIds: TypeAlias = Sequence[int] | npt.NDArray[np.integer[Any]] | TensorLike
 
 # The dtypes the copies move (by element size: the copies never look at the values).
 DTYPE_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -59,7 +101,7 @@ def _is_torch_tensor(obj: object) -> bool:
     return hasattr(obj, "data_ptr") and hasattr(obj, "element_size") and hasattr(obj, "is_cuda")
 
 
-def _view(obj: ArrayLike, name: str) -> _TensorView:
+def _view(obj: object, name: str) -> _TensorView:
     if isinstance(obj, np.ndarray):
         itemsize = int(obj.itemsize)
         if any(s % itemsize for s in obj.strides):
@@ -74,6 +116,7 @@ def _view(obj: ArrayLike, name: str) -> _TensorView:
             writeable=bool(obj.flags.writeable),
         )
     if _is_torch_tensor(obj):
+        obj = cast(TensorLike, obj)
         device = obj.device
         if obj.is_cuda:
             cuda_device: int | None = int(device.index) if device.index is not None else 0
@@ -146,6 +189,22 @@ class KVCacheLayout:
 
     def buffer_shape(self, num_ids: int) -> tuple[int, int, int, int, int, int]:
         return (self.num_layers, 2, num_ids, self.block_size, self.num_kv_heads, self.head_size)
+
+    @cached_property
+    def native(self) -> _kvx.KVCacheLayout:
+        """This layout as psrl._kvx's copies take it, checked there (built on first use, once)."""
+        return _kvx.KVCacheLayout(
+            list(self.layer_ptrs),
+            self.num_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_size,
+            self.itemsize,
+            self.kv_stride,
+            self.block_stride,
+            self.token_stride,
+            self.head_stride,
+        )
 
     def transfer_nbytes(self, num_ids: int) -> int:
         return self.num_layers * 2 * num_ids * self.block_nbytes
@@ -284,34 +343,39 @@ def _copy(
     stream: int | None,
     last_block_tokens: int | None,
 ) -> None:
-    args = (
-        list(layout.layer_ptrs),
-        layout.num_blocks,
-        layout.block_size,
-        layout.num_kv_heads,
-        layout.head_size,
-        layout.itemsize,
-        layout.kv_stride,
-        layout.block_stride,
-        ids,
-        buffer.ptr,
-        layout.transfer_nbytes(len(ids)),
-    )
-    strides = {
-        "token_stride": layout.token_stride,
-        "head_stride": layout.head_stride,
-        "last_block_tokens": last_block_tokens,
-    }
+    nbytes = layout.transfer_nbytes(len(ids))
     if layout.cuda_device is None:
         host_copy = _kvx.gather_blocks if gather else _kvx.scatter_blocks
-        host_copy(*args, 0 if num_threads is None else num_threads, **strides)
+        host_copy(layout.native, ids, buffer.ptr, nbytes, 0 if num_threads is None else num_threads, last_block_tokens)
         return
     if not HAS_CUDA:
         raise RuntimeError("psrl._kvx was built without CUDA; rebuild with nvcc available for CUDA tensors")
     device = layout.cuda_device
     cuda_stream = _current_stream(device) if stream is None else stream
     cuda_copy = _kvx.cuda_gather_blocks if gather else _kvx.cuda_scatter_blocks
-    cuda_copy(*args, device, cuda_stream, **strides)
+    cuda_copy(layout.native, ids, buffer.ptr, nbytes, device, cuda_stream, last_block_tokens)
+
+
+@overload
+def gather_blocks(
+    layer_caches: Sequence[ArrayLike],
+    block_ids: BlockIds,
+    out: ArrayT,
+    num_threads: int | None = None,
+    stream: int | None = None,
+    num_tokens: int | None = None,
+) -> ArrayT: ...
+
+
+@overload
+def gather_blocks(
+    layer_caches: Sequence[ArrayT],
+    block_ids: BlockIds,
+    out: None = None,
+    num_threads: int | None = None,
+    stream: int | None = None,
+    num_tokens: int | None = None,
+) -> ArrayT: ...
 
 
 def gather_blocks(
@@ -383,4 +447,4 @@ def scatter_blocks(
 def _new_buffer(like: ArrayLike, shape: tuple[int, ...]) -> ArrayLike:
     if isinstance(like, np.ndarray):
         return np.empty(shape, dtype=like.dtype)
-    return like.new_empty(shape)  # torch: same dtype and device, no torch import needed
+    return cast(Any, like).new_empty(shape)  # torch: same dtype and device, no torch import needed

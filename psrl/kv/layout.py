@@ -1,21 +1,21 @@
 """Static KV-cache layout descriptors, so two replicas can check compatibility before a block transfer.
 
 ``blocks.KVCacheLayout`` describes one live cache (pointers, strides, num_blocks, device) for the copy
-kernels; ``KVLayoutSpec`` here is the part two replicas must agree on, without pointers or capacity:
-dtype, layer count, block geometry and the order inside a block. It is JSON-able (``to_dict`` /
-``from_dict``) for the handshake, and ``check_compatible`` raises a typed ``LayoutMismatch`` naming the
-differing fields.
+kernels (the same name in ``psrl._kvx``); ``KVCacheSpec`` here (named after vLLM's) is the part two replicas
+must agree on, without pointers or capacity: dtype, layer count, block geometry and the order inside a
+block. It is JSON-able (``to_dict`` / ``from_dict``) for the handshake, and ``check_compatible`` raises a
+typed ``LayoutMismatch`` naming the differing fields.
 
 Every engine we serve keeps one tensor per layer, ``[2, num_blocks, *block_shape]`` (0 = K, 1 = V), with
 one of two orders inside a block (``block_layout``):
 
-* ``"NHD"`` blocks ``[block_size, num_kv_heads, head_dim]``: the reference engine (``psrl.engine.kv_cache``)
+* ``"NHD"`` blocks ``[block_size, num_kv_heads, head_size]``: the reference engine (``psrl.engine.kv_cache``)
   and vLLM's FlashAttention backend;
-* ``"HND"`` blocks ``[num_kv_heads, block_size, head_dim]``: vLLM's HND variants (e.g. FlashInfer with the
+* ``"HND"`` blocks ``[num_kv_heads, block_size, head_size]``: vLLM's HND variants (e.g. FlashInfer with the
   HND stride order).
 
 ``blocks.describe_kv_cache`` takes every cache in the logical order ``[2, num_blocks, block_size,
-num_kv_heads, head_dim]`` (an HND cache as a ``transpose(2, 3)`` view) and reads the in-block order from
+num_kv_heads, head_size]`` (an HND cache as a ``transpose(2, 3)`` view) and reads the in-block order from
 the strides; ``gather_blocks`` always fills an NHD-ordered buffer and ``scatter_blocks`` writes it back in
 the destination's own strides. So the in-block order is local to each replica: ``check_compatible`` does
 not compare it (it is in the spec to say how to allocate, ``layer_shape``). Describe the cache of one
@@ -28,14 +28,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args
 
-from psrl.kv.blocks import KVCacheLayout, describe_kv_cache
+from psrl.kv.blocks import ArrayLike, KVCacheLayout, describe_kv_cache
 
 __all__ = [
     "BLOCK_LAYOUTS",
     "ENGINE_BLOCK_LAYOUTS",
     "LAYOUT_DICT_VERSION",
     "BlockLayout",
-    "KVLayoutSpec",
+    "KVCacheSpec",
     "LayoutError",
     "LayoutMismatch",
     "check_compatible",
@@ -52,10 +52,10 @@ ENGINE_BLOCK_LAYOUTS: dict[str, BlockLayout] = {
     "reference": "NHD",  # psrl.engine.kv_cache.PagedKVCache
     "vllm-flash-attn": "NHD",  # vLLM FlashAttention backend
     "vllm-hnd": "HND",  # vLLM backends using the HND stride order
-    "vllm-cpu": "opaque",  # vLLM's CPU backend: per layer [num_blocks, num_kv_heads, block_size, 2 * head_dim]
+    "vllm-cpu": "opaque",  # vLLM's CPU backend: per layer [num_blocks, num_kv_heads, block_size, 2 * head_size]
 }
 
-LAYOUT_DICT_VERSION = 1
+LAYOUT_DICT_VERSION = 2  # 2: head_dim became head_size
 
 _ITEMSIZE: dict[str, int] = {
     "float16": 2,
@@ -73,7 +73,7 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32", "double": "float64", "f
 
 # Fields check_compatible compares, in the order it reports them. Not block_layout: the transfer buffer is
 # NHD whatever either cache's in-block order is.
-_COMPARED = ("dtype", "num_layers", "num_kv_heads", "head_dim", "block_size")
+_COMPARED = ("dtype", "num_layers", "num_kv_heads", "head_size", "block_size")
 
 
 class LayoutError(ValueError):
@@ -107,18 +107,18 @@ def dtype_itemsize(dtype: object) -> int:
 
 
 @dataclass(frozen=True)
-class KVLayoutSpec:
+class KVCacheSpec:
     """One replica's paged KV cache layout, without pointers or capacity (``check_compatible`` compares two)."""
 
     num_layers: int
     block_size: int
     num_kv_heads: int
-    head_dim: int
+    head_size: int
     dtype: str  # canonical torch name: "float16", "bfloat16", "float32", "float8_e4m3fn", ...
     block_layout: BlockLayout = "NHD"
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
@@ -130,17 +130,17 @@ class KVLayoutSpec:
 
     @classmethod
     def for_engine(
-        cls, engine: str, *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: object
-    ) -> KVLayoutSpec:
+        cls, engine: str, *, num_layers: int, block_size: int, num_kv_heads: int, head_size: int, dtype: object
+    ) -> KVCacheSpec:
         """The spec of a named engine's cache (see ENGINE_BLOCK_LAYOUTS)."""
         try:
             block_layout = ENGINE_BLOCK_LAYOUTS[engine]
         except KeyError:
             raise LayoutError(f"unknown engine {engine!r}; expected one of {sorted(ENGINE_BLOCK_LAYOUTS)}") from None
-        return cls(num_layers, block_size, num_kv_heads, head_dim, str(dtype), block_layout)
+        return cls(num_layers, block_size, num_kv_heads, head_size, str(dtype), block_layout)
 
     @classmethod
-    def from_kv_cache_layout(cls, layout: KVCacheLayout) -> KVLayoutSpec:
+    def from_kv_cache_layout(cls, layout: KVCacheLayout) -> KVCacheSpec:
         """The spec of a cache ``describe_kv_cache`` validated, its in-block order read from its strides."""
         order = layout.kv_layout
         if order not in BLOCK_LAYOUTS:
@@ -151,9 +151,9 @@ class KVLayoutSpec:
         )
 
     @classmethod
-    def describe(cls, layer_caches: Sequence[Any]) -> KVLayoutSpec:
+    def describe(cls, layer_caches: Sequence[ArrayLike]) -> KVCacheSpec:
         """Validate per-layer caches (numpy or torch, logical order ``[2, num_blocks, block_size,
-        num_kv_heads, head_dim]``; an HND cache as a ``transpose(2, 3)`` view) and describe them."""
+        num_kv_heads, head_size]``; an HND cache as a ``transpose(2, 3)`` view) and describe them."""
         return cls.from_kv_cache_layout(describe_kv_cache(layer_caches))
 
     # ---- shapes and sizes -----------------------------------------------------------------------------
@@ -166,8 +166,8 @@ class KVLayoutSpec:
     def block_shape(self) -> tuple[int, int, int]:
         """Shape of one block of one half (K or V) of one layer."""
         if self.block_layout in ("NHD", "opaque"):  # an opaque block has the bytes of an NHD one
-            return (self.block_size, self.num_kv_heads, self.head_dim)
-        return (self.num_kv_heads, self.block_size, self.head_dim)
+            return (self.block_size, self.num_kv_heads, self.head_size)
+        return (self.num_kv_heads, self.block_size, self.head_size)
 
     def layer_shape(self, num_blocks: int) -> tuple[int, int, int, int, int]:
         """Shape to allocate one layer's cache tensor with ``num_blocks`` blocks in this block layout."""
@@ -175,12 +175,12 @@ class KVLayoutSpec:
 
     def buffer_shape(self, num_blocks: int) -> tuple[int, int, int, int, int, int]:
         """Shape of ``blocks.gather_blocks``' contiguous buffer for ``num_blocks`` blocks (NHD for either layout)."""
-        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
 
     @property
     def bytes_per_token(self) -> int:
         """KV bytes of one token: all layers, K and V."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.itemsize
+        return self.num_layers * 2 * self.num_kv_heads * self.head_size * self.itemsize
 
     @property
     def bytes_per_block(self) -> int:
@@ -198,7 +198,7 @@ class KVLayoutSpec:
         return {"version": LAYOUT_DICT_VERSION, **{f.name: getattr(self, f.name) for f in fields(self)}}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> KVLayoutSpec:
+    def from_dict(cls, data: Mapping[str, Any]) -> KVCacheSpec:
         if not isinstance(data, Mapping):
             raise LayoutError(f"layout must be a mapping, got {type(data).__name__}")
         version = data.get("version")
@@ -214,16 +214,16 @@ class KVLayoutSpec:
         return cls(**{name: data[name] for name in names})
 
 
-def check_compatible(src: KVLayoutSpec | Mapping[str, Any], dst: KVLayoutSpec | Mapping[str, Any]) -> None:
+def check_compatible(src: KVCacheSpec | Mapping[str, Any], dst: KVCacheSpec | Mapping[str, Any]) -> None:
     """Raise LayoutMismatch unless blocks gathered from ``src`` can be scattered into ``dst``.
 
     Either side may be a spec or its ``to_dict()`` form (as received from the peer). Compared: dtype,
-    num_layers, num_kv_heads, head_dim, block_size, and block_layout when either side is "opaque" (its bytes
+    num_layers, num_kv_heads, head_size, block_size, and block_layout when either side is "opaque" (its bytes
     mean something only to a cache of the same layout; NHD and HND meet in the NHD buffer). Not compared:
     block counts (each replica has its own capacity).
     """
-    src_spec = src if isinstance(src, KVLayoutSpec) else KVLayoutSpec.from_dict(src)
-    dst_spec = dst if isinstance(dst, KVLayoutSpec) else KVLayoutSpec.from_dict(dst)
+    src_spec = src if isinstance(src, KVCacheSpec) else KVCacheSpec.from_dict(src)
+    dst_spec = dst if isinstance(dst, KVCacheSpec) else KVCacheSpec.from_dict(dst)
     mismatches = [
         (name, getattr(src_spec, name), getattr(dst_spec, name))
         for name in _COMPARED

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import json
 import logging
 import os
@@ -29,13 +30,13 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
 from psrl._proto import kv_migration_pb2, kv_migration_pb2_grpc
-from psrl.engine import AsyncEngine, InvalidRequestError, PreloadedKV
-from psrl.kv import KVLayoutSpec, LayoutError, check_compatible, plan_transfer
+from psrl.engine import AsyncEngine, InvalidRequestError, KvSource, PreloadedKV
+from psrl.kv import ArrayLike, KVCacheSpec, LayoutError, check_compatible, plan_transfer
 from psrl.kv.channels import ShmChannel, ShmMappings, ShmPool, ShmTransfer, shm_receive, shm_send
 from psrl.replica_auth import token_interceptors
 from psrl.serving import JsonBodyError, loads_bounded
@@ -43,20 +44,28 @@ from psrl.serving import JsonBodyError, loads_bounded
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-TransferMode = Literal["async", "sync", "pin_sync"]
-TRANSFER_MODES: tuple[TransferMode, ...] = ("async", "sync", "pin_sync")
+
+
+class TransferMode(enum.StrEnum):
+    """When the destination loads migrated KV: kv_transfer_params' "mode" (the values are the wire form)."""
+
+    ASYNC = "async"  # beside the steps, the request waiting for it (vLLM's asynchronous load)
+    SYNC = "sync"  # before the step's forward
+    PIN_SYNC = "pin_sync"  # as sync, served from the source's pin only (not its prefix cache)
+
+
 # A gathered segment the peer never acknowledged is freed after this long (swept every quarter of it).
 UNACKED_TRANSFER_TTL_S = 60.0
 
 
-_layouts: weakref.WeakKeyDictionary[AsyncEngine, KVLayoutSpec] = weakref.WeakKeyDictionary()
+_layouts: weakref.WeakKeyDictionary[AsyncEngine, KVCacheSpec] = weakref.WeakKeyDictionary()
 
 
-def layout_of(engine: AsyncEngine) -> KVLayoutSpec:
+def layout_of(engine: AsyncEngine) -> KVCacheSpec:
     """What two replicas must agree on to exchange blocks (described once per engine: its cache never changes)."""
     layout = _layouts.get(engine)
     if layout is None:
-        layout = _layouts[engine] = KVLayoutSpec.describe(engine.engine.kv_cache.layers)
+        layout = _layouts[engine] = KVCacheSpec.describe(engine.engine.kv_cache.layers)
     return layout
 
 
@@ -105,8 +114,8 @@ class HeldKv:
 
     num_tokens: int
     block_ids: tuple[int, ...]
-    source: str  # "pin" | "prefix_cache"
-    layers: Sequence[Any]  # per-layer caches as psrl.kv.gather_blocks takes them
+    source: KvSource
+    layers: Sequence[ArrayLike]  # per-layer caches as psrl.kv.gather_blocks takes them
     release: Callable[[], None]
 
 
@@ -116,7 +125,7 @@ class KvHolder(Protocol):
     @property
     def num_ranks(self) -> int: ...
 
-    def layout(self, rank: int) -> KVLayoutSpec: ...
+    def layout(self, rank: int) -> KVCacheSpec: ...
 
     def block_size(self, rank: int) -> int: ...
 
@@ -147,7 +156,7 @@ class EngineKvHolder:
     def num_ranks(self) -> int:
         return len(self.engines)
 
-    def layout(self, rank: int) -> KVLayoutSpec:
+    def layout(self, rank: int) -> KVCacheSpec:
         return layout_of(self.engines[rank])
 
     def block_size(self, rank: int) -> int:
@@ -406,7 +415,7 @@ class KvTransferParams:
     source_dp_rank: int
     request_id: str  # the request's id on the source
     num_tokens: int  # tokens whose KV the source should hold (0: as many as it has)
-    mode: TransferMode = "async"
+    mode: TransferMode = TransferMode.ASYNC
     timeout_ms: int = 5000
 
     @classmethod
@@ -418,9 +427,11 @@ class KvTransferParams:
             raise KvTransferParamsError(f"source must be an object with a target, got {reprlib.repr(source)}")
         if "request_id" not in data:
             raise KvTransferParamsError("request_id is required")
-        mode = data.get("mode", "async")
-        if mode not in TRANSFER_MODES:
-            raise KvTransferParamsError(f"mode {reprlib.repr(mode)} is not one of {TRANSFER_MODES}")
+        try:
+            mode = TransferMode(data.get("mode", TransferMode.ASYNC))
+        except ValueError:
+            values = tuple(m.value for m in TransferMode)
+            raise KvTransferParamsError(f"mode {reprlib.repr(data['mode'])} is not one of {values}") from None
         return cls(
             source_target=str(source["target"]),
             source_dp_rank=_integer(source, "dp_rank", 0, 0, _INT32_MAX, "source.dp_rank"),
@@ -516,7 +527,7 @@ class KvSourceClient:
         return kv_migration_pb2_grpc.KvMigrationStub(channel)
 
     async def offer(
-        self, params: KvTransferParams, prompt: Sequence[int], *, start: int, want: int, layout: KVLayoutSpec
+        self, params: KvTransferParams, prompt: Sequence[int], *, start: int, want: int, layout: KVCacheSpec
     ) -> KvOffer | None:
         """Ask the source for the KV of prompt tokens [start, want) (fewer if it holds fewer); None when it has
         nothing beyond `start` (logged with its reason). Raises on a broken source or a malformed answer."""
@@ -528,7 +539,7 @@ class KvSourceClient:
                 max_tokens=want,
                 channel="shm",
                 layout_json=json.dumps(layout.to_dict()),
-                allow_prefix_cache=params.mode != "pin_sync",
+                allow_prefix_cache=params.mode != TransferMode.PIN_SYNC,
                 keep_pin=False,
                 start_token=start,
             )

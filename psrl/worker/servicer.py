@@ -64,7 +64,13 @@ from psrl.engine import (
     SamplingOptions,
 )
 from psrl.worker.admission import ACCEPTED_METADATA_KEY, refused_complete
-from psrl.worker.kv_migration import KvPuller, KvTransferParams, KvTransferParamsError, kv_transfer_params_object
+from psrl.worker.kv_migration import (
+    KvPuller,
+    KvTransferParams,
+    KvTransferParamsError,
+    TransferMode,
+    kv_transfer_params_object,
+)
 from psrl.worker.model_folder import ModelFolder
 from psrl.worker.routed_experts import BadRoutedExpertsAsk, RoutedExpertsServicer, RoutedExpertsStore, asked_start
 
@@ -244,7 +250,7 @@ class ReferenceServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             if sampling.n > 1:
                 kv_params = None  # KV migration moves whole requests: the choices of an n > 1 one are prefilled
             preloaded: PreloadedKV | None = None
-            pending = kv_params is not None and kv_params.mode == "async"
+            pending = kv_params is not None and kv_params.mode == TransferMode.ASYNC
             if kv_params is not None and not pending and engine.admission_closed_reason is None:
                 assert self.kv_puller is not None
                 preloaded = await self.kv_puller.pull(engine, rank, prompt, kv_params)

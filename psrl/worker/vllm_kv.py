@@ -37,7 +37,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 import torch
@@ -49,8 +49,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from psrl._proto import kv_migration_pb2_grpc
-from psrl.engine import common_prefix
-from psrl.kv import KVLayoutSpec, LayoutError, gather_blocks, scatter_blocks
+from psrl.engine import KvSource, common_prefix
+from psrl.kv import KVCacheSpec, LayoutError, gather_blocks, scatter_blocks
 from psrl.kv.channels import ShmChannel, ShmMappings, ShmTransfer, shm_receive
 from psrl.replica_auth import load_replica_token
 from psrl.worker.kv_migration import (
@@ -61,6 +61,7 @@ from psrl.worker.kv_migration import (
     KvSourceClient,
     KvTransferParams,
     MigrationCounters,
+    TransferMode,
     log_fallback,
     tokens_to_take,
 )
@@ -153,11 +154,11 @@ class KvMigrationProxy(kv_migration_pb2_grpc.KvMigrationServicer):
 # ---- the KV caches ---------------------------------------------------------------------------------
 
 
-def cache_views(kv_caches: Sequence[torch.Tensor], block_size: int) -> tuple[list[torch.Tensor], KVLayoutSpec]:
-    """vLLM's per-layer caches as psrl.kv's `[2, num_blocks, block_size, num_kv_heads, head_dim]` views, and
+def cache_views(kv_caches: Sequence[torch.Tensor], block_size: int) -> tuple[list[torch.Tensor], KVCacheSpec]:
+    """vLLM's per-layer caches as psrl.kv's `[2, num_blocks, block_size, num_kv_heads, head_size]` views, and
     their layout.
 
-    The CPU backend's `[num_blocks, num_kv_heads, block_size, 2 * head_dim]` (K stored transposed beside V in
+    The CPU backend's `[num_blocks, num_kv_heads, block_size, 2 * head_size]` (K stored transposed beside V in
     each block) is viewed as raw block bytes, its halves as "K" and "V": a whole block moves exactly, a part of
     one would not, so its layout is "opaque". GPU caches `[2, num_blocks, ...]` (or `[num_blocks, 2, ...]`)
     are described by their strides.
@@ -167,16 +168,16 @@ def cache_views(kv_caches: Sequence[torch.Tensor], block_size: int) -> tuple[lis
         num_blocks, heads, tokens, width = first.shape
         if tokens != block_size or width % 2 or not first.is_contiguous():
             raise LayoutError(f"unexpected vLLM CPU cache {list(first.shape)} for block size {block_size}")
-        head_dim = width // 2
-        half = heads * tokens * head_dim
-        shape = (2, num_blocks, tokens, heads, head_dim)
-        strides = (half, 2 * half, heads * head_dim, head_dim, 1)
+        head_size = width // 2
+        half = heads * tokens * head_size
+        shape = (2, num_blocks, tokens, heads, head_size)
+        strides = (half, 2 * half, heads * head_size, head_size, 1)
         views = [t.as_strided(shape, strides) for t in kv_caches]
-        spec = KVLayoutSpec(len(views), tokens, heads, head_dim, str(first.dtype), "opaque")
+        spec = KVCacheSpec(len(views), tokens, heads, head_size, str(first.dtype), "opaque")
         return views, spec
     if first.dim() == 5:
         views = [t if t.shape[0] == 2 else t.transpose(0, 1) for t in kv_caches]
-        spec = KVLayoutSpec.describe(views)
+        spec = KVCacheSpec.describe(views)
         if spec.block_size != block_size:
             raise LayoutError(f"the cache's blocks hold {spec.block_size} tokens; vLLM's block size is {block_size}")
         return views, spec
@@ -188,17 +189,22 @@ def _to_device_of(buffer: torch.Tensor, caches: Sequence[torch.Tensor]) -> torch
     return buffer.to(caches[0].device) if caches[0].is_cuda else buffer
 
 
-def _copy_blocks(src: Sequence[Any], src_ids: Sequence[int], dst: Sequence[Any], dst_ids: Sequence[int]) -> None:
+def _copy_blocks(
+    src: Sequence[torch.Tensor], src_ids: Sequence[int], dst: Sequence[torch.Tensor], dst_ids: Sequence[int]
+) -> None:
     scatter_blocks(_to_device_of(gather_blocks(src, list(src_ids)), dst), dst, list(dst_ids))
 
 
-def _receive(transfer: ShmTransfer, caches: Sequence[torch.Tensor], ids: Sequence[int], mappings: Any) -> None:
+def _receive(
+    transfer: ShmTransfer, caches: Sequence[torch.Tensor], ids: Sequence[int], mappings: ShmMappings | None
+) -> None:
     """Scatter a peer's segment into blocks `ids` (through the device for GPU caches)."""
     if not caches[0].is_cuda:
         shm_receive(transfer, caches, list(ids), mappings=mappings)
         return
     with ShmChannel.open(transfer, mappings=mappings) as channel:
-        staged = _to_device_of(channel.buffer(torch.empty(0)), caches)  # copied out before the unmap
+        host = cast(torch.Tensor, channel.buffer(torch.empty(0)))  # a tensor view: `like` is one
+        staged = _to_device_of(host, caches)  # copied out before the unmap
     scatter_blocks(staged, caches, list(ids))
 
 
@@ -208,7 +214,7 @@ def _receive(transfer: ShmTransfer, caches: Sequence[torch.Tensor], ids: Sequenc
 @dataclass
 class _Pin:
     token_ids: tuple[int, ...]  # the tokens whose KV `buffer` holds (whole blocks)
-    buffer: torch.Tensor  # host memory, [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    buffer: torch.Tensor  # host memory, [num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]
     expires: float
 
     @property
@@ -251,7 +257,7 @@ class _Shared:
         self.counters = MigrationCounters()
         self.prompt_tokens_computed = 0
         self.caches: list[torch.Tensor] = []
-        self.layout: KVLayoutSpec | None = None
+        self.layout: KVCacheSpec | None = None
         self.mappings = ShmMappings(self.shm_pool_bytes) if self.shm_pool_bytes > 0 else None
         self._pins: OrderedDict[str, _Pin] = OrderedDict()  # by the caller's request id, oldest first
         self._pins_lock = threading.Lock()
@@ -270,7 +276,7 @@ class _Shared:
     def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def register(self, caches: list[torch.Tensor], layout: KVLayoutSpec) -> None:
+    def register(self, caches: list[torch.Tensor], layout: KVCacheSpec) -> None:
         """The worker's caches are known: serve the side channel."""
         self.caches, self.layout = caches, layout
         self.run(self._serve())
@@ -357,7 +363,7 @@ class _PinHolder:
     def __init__(self, shared: _Shared) -> None:
         self.shared = shared
 
-    def layout(self, rank: int) -> KVLayoutSpec:
+    def layout(self, rank: int) -> KVCacheSpec:
         assert self.shared.layout is not None
         return self.shared.layout
 
@@ -372,7 +378,7 @@ class _PinHolder:
         n -= n % self.shared.block_size
         if n == 0:
             return None
-        return HeldKv(n, tuple(range(n // self.shared.block_size)), "pin", pin.layers, lambda: None)
+        return HeldKv(n, tuple(range(n // self.shared.block_size)), KvSource.PIN, pin.layers, lambda: None)
 
     def pin(self, rank: int, request_id: str, ttl_s: float) -> int:
         raise NotImplementedError("a vLLM replica pins a request's KV when the request is aborted, not on demand")
@@ -508,7 +514,7 @@ class PsrlKvConnector(KVConnectorBase_V1):
             self._fall_back(load, TimeoutError("the answered KV waited too long for free blocks"))
         if not load.num_tokens:
             return 0, False
-        return load.num_tokens - num_computed_tokens, load.params.mode == "async"
+        return load.num_tokens - num_computed_tokens, load.params.mode == TransferMode.ASYNC
 
     def _begin(self, request: Request, params: KvTransferParams, num_computed: int) -> _Load:
         prompt = list(request.prompt_token_ids or ())
@@ -583,7 +589,7 @@ class PsrlKvConnector(KVConnectorBase_V1):
         load.not_prefilled = load.num_tokens
         spec = _LoadSpec(
             request.request_id,
-            load.params.mode == "async",
+            load.params.mode == TransferMode.ASYNC,
             first,
             dst,
             load.offer,

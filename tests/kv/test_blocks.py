@@ -282,7 +282,7 @@ def test_read_only_destinations(small_caches: list[np.ndarray]) -> None:
 def test_native_module_validates_raw_arguments() -> None:
     cache = np.zeros((2, 4, 2, 2, 8), dtype=np.float16)
     buffer = np.zeros((1, 2, 2, 2, 2, 8), dtype=np.float16)
-    args = dict(
+    geometry = dict(
         layer_ptrs=[cache.ctypes.data],
         num_blocks=4,
         block_size=2,
@@ -291,27 +291,34 @@ def test_native_module_validates_raw_arguments() -> None:
         itemsize=2,
         kv_stride=4 * 32,
         block_stride=32,
-        block_ids=np.array([0, 3]),
-        dst_ptr=buffer.ctypes.data,
-        dst_nbytes=buffer.nbytes,
     )
+    layout = _kvx.KVCacheLayout(**geometry)
+    assert (layout.layer_ptrs, layout.head_size, layout.token_stride, layout.head_stride) == (
+        [cache.ctypes.data],
+        8,
+        16,
+        8,
+    )  # NHD strides by default
+    args = dict(layout=layout, block_ids=np.array([0, 3]), dst_ptr=buffer.ctypes.data, dst_nbytes=buffer.nbytes)
     _kvx.gather_blocks(**args)
     with pytest.raises(ValueError, match="bytes, expected"):
         _kvx.gather_blocks(**{**args, "dst_nbytes": buffer.nbytes - 2})
     with pytest.raises(ValueError, match="itemsize"):
-        _kvx.gather_blocks(**{**args, "itemsize": 8})
+        _kvx.KVCacheLayout(**{**geometry, "itemsize": 8})
     with pytest.raises(ValueError, match="null"):
-        _kvx.gather_blocks(**{**args, "layer_ptrs": [0]})
+        _kvx.KVCacheLayout(**{**geometry, "layer_ptrs": [0]})
     with pytest.raises(ValueError, match="null"):
         _kvx.gather_blocks(**{**args, "dst_ptr": 0})
     with pytest.raises(ValueError, match="at least one layer"):
-        _kvx.gather_blocks(**{**args, "layer_ptrs": []})
+        _kvx.KVCacheLayout(**{**geometry, "layer_ptrs": []})
     with pytest.raises(ValueError, match="positive"):
-        _kvx.gather_blocks(**{**args, "block_size": 0})
+        _kvx.KVCacheLayout(**{**geometry, "block_size": 0})
     with pytest.raises(IndexError):
         _kvx.gather_blocks(**{**args, "block_ids": [0, 4]})
     with pytest.raises(ValueError, match="one-dimensional"):
         _kvx.gather_blocks(**{**args, "block_ids": np.zeros((1, 2), dtype=np.int64)})
+    with pytest.raises(AttributeError):
+        layout.num_blocks = 8  # type: ignore[misc]  # checked once, so immutable
 
 
 class FakeCudaTensor:

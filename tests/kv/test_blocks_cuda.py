@@ -27,6 +27,9 @@ CASES = [
     (2, 17, 3, 1, 7, "float16", "strided_blocks"),  # 2-byte scalar fallback
     (1, 9, 1, 5, 7, "float32", "contiguous"),  # 4-byte path
     (2, 40, 32, 4, 128, "float32", "block_major"),
+    # More ids than one launch's pointer table holds (~4000): split over launches.
+    (3, 9000, 1, 2, 8, "float32", "contiguous"),
+    (2, 2500, 2, 1, 8, "float16", "strided_blocks"),
 ]
 
 

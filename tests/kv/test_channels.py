@@ -618,7 +618,7 @@ def test_num_tokens_validation() -> None:
 def test_native_strides_and_last_block_validation() -> None:
     cache = np.zeros((2, 4, 2, 3, 8), dtype=np.float16)  # HND storage of [2, 4, bs=3, H=2, 8]
     buffer = np.zeros((1, 2, 2, 3, 2, 8), dtype=np.float16)
-    args = dict(
+    geometry = dict(
         layer_ptrs=[cache.ctypes.data],
         num_blocks=4,
         block_size=3,
@@ -627,23 +627,26 @@ def test_native_strides_and_last_block_validation() -> None:
         itemsize=2,
         kv_stride=4 * 48,
         block_stride=48,
-        block_ids=np.array([0, 3]),
-        src_ptr=buffer.ctypes.data,
-        src_nbytes=buffer.nbytes,
         token_stride=8,
         head_stride=24,
     )
-    _kvx.scatter_blocks(**args, last_block_tokens=2)
+    ids = np.array([0, 3])
+
+    def scatter(last_block_tokens: int | None = None, **changes: int) -> None:
+        layout = _kvx.KVCacheLayout(**{**geometry, **changes})
+        _kvx.scatter_blocks(layout, ids, buffer.ctypes.data, buffer.nbytes, last_block_tokens=last_block_tokens)
+
+    scatter(last_block_tokens=2)
     for bad in (0, 4):
         with pytest.raises(ValueError, match="last_block_tokens"):
-            _kvx.scatter_blocks(**args, last_block_tokens=bad)
+            scatter(last_block_tokens=bad)
     with pytest.raises(ValueError, match="overlap"):
-        _kvx.scatter_blocks(**{**args, "head_stride": 8})  # heads and tokens on the same memory
+        scatter(head_stride=8)  # heads and tokens on the same memory
     with pytest.raises(ValueError, match="overlap"):
-        _kvx.scatter_blocks(**{**args, "block_stride": 24})
-    gather_args = {k: v for k, v in args.items() if k not in ("src_ptr", "src_nbytes", "head_stride")}
+        scatter(block_stride=24)
     # Overlapping reads are harmless: gather accepts them.
-    _kvx.gather_blocks(**gather_args, dst_ptr=buffer.ctypes.data, dst_nbytes=buffer.nbytes, head_stride=8)
+    overlapping = _kvx.KVCacheLayout(**{**geometry, "head_stride": 8})
+    _kvx.gather_blocks(overlapping, ids, buffer.ctypes.data, buffer.nbytes)
 
 
 def test_head_elements_must_be_contiguous() -> None:

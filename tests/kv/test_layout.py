@@ -10,7 +10,7 @@ import pytest
 from psrl.kv.blocks import describe_kv_cache
 from psrl.kv.layout import (
     ENGINE_BLOCK_LAYOUTS,
-    KVLayoutSpec,
+    KVCacheSpec,
     LayoutError,
     LayoutMismatch,
     check_compatible,
@@ -18,17 +18,17 @@ from psrl.kv.layout import (
 )
 
 
-def spec(**overrides: object) -> KVLayoutSpec:
+def spec(**overrides: object) -> KVCacheSpec:
     fields: dict[str, object] = {
         "num_layers": 28,
         "block_size": 16,
         "num_kv_heads": 8,
-        "head_dim": 128,
+        "head_size": 128,
         "dtype": "bfloat16",
         "block_layout": "NHD",
     }
     fields.update(overrides)
-    return KVLayoutSpec(**fields)  # type: ignore[arg-type]
+    return KVCacheSpec(**fields)  # type: ignore[arg-type]
 
 
 def test_sizes_and_shapes() -> None:
@@ -64,7 +64,7 @@ def test_torch_dtype() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("num_layers", 0), ("block_size", -1), ("num_kv_heads", 2.0), ("head_dim", True), ("dtype", "complex64"),
+    [("num_layers", 0), ("block_size", -1), ("num_kv_heads", 2.0), ("head_size", True), ("dtype", "complex64"),
      ("block_layout", "NDH")],
 )  # fmt: skip
 def test_invalid_fields(field: str, value: object) -> None:
@@ -73,29 +73,29 @@ def test_invalid_fields(field: str, value: object) -> None:
 
 
 def test_for_engine() -> None:
-    kwargs = {"num_layers": 2, "block_size": 16, "num_kv_heads": 2, "head_dim": 32, "dtype": "float32"}
-    assert KVLayoutSpec.for_engine("reference", **kwargs).block_layout == "NHD"  # type: ignore[arg-type]
-    assert KVLayoutSpec.for_engine("vllm-flash-attn", **kwargs).block_layout == "NHD"  # type: ignore[arg-type]
-    assert KVLayoutSpec.for_engine("vllm-hnd", **kwargs).block_layout == "HND"  # type: ignore[arg-type]
-    assert KVLayoutSpec.for_engine("vllm-cpu", **kwargs).block_layout == "opaque"  # type: ignore[arg-type]
+    kwargs = {"num_layers": 2, "block_size": 16, "num_kv_heads": 2, "head_size": 32, "dtype": "float32"}
+    assert KVCacheSpec.for_engine("reference", **kwargs).block_layout == "NHD"  # type: ignore[arg-type]
+    assert KVCacheSpec.for_engine("vllm-flash-attn", **kwargs).block_layout == "NHD"  # type: ignore[arg-type]
+    assert KVCacheSpec.for_engine("vllm-hnd", **kwargs).block_layout == "HND"  # type: ignore[arg-type]
+    assert KVCacheSpec.for_engine("vllm-cpu", **kwargs).block_layout == "opaque"  # type: ignore[arg-type]
     assert set(ENGINE_BLOCK_LAYOUTS) == {"reference", "vllm-flash-attn", "vllm-hnd", "vllm-cpu"}
     with pytest.raises(LayoutError, match="unknown engine"):
-        KVLayoutSpec.for_engine("sglang", **kwargs)  # type: ignore[arg-type]
+        KVCacheSpec.for_engine("sglang", **kwargs)  # type: ignore[arg-type]
 
 
 def test_dict_round_trip_through_json() -> None:
     for s in (spec(), spec(block_layout="HND", dtype="float16", block_size=32)):
         wire = json.loads(json.dumps(s.to_dict()))
-        assert wire["version"] == 1
-        assert KVLayoutSpec.from_dict(wire) == s
+        assert wire["version"] == 2
+        assert KVCacheSpec.from_dict(wire) == s
 
 
 @pytest.mark.parametrize(
     ("mutate", "match"),
     [
         (lambda d: d.pop("version"), "version"),
-        (lambda d: d.update(version=2), "version"),
-        (lambda d: d.pop("head_dim"), "missing"),
+        (lambda d: d.update(version=1), "version"),  # a peer from before head_dim became head_size
+        (lambda d: d.pop("head_size"), "missing"),
         (lambda d: d.update(num_blocks=10), "unknown"),
         (lambda d: d.update(block_size=16.0), "block_size"),
     ],
@@ -104,9 +104,9 @@ def test_from_dict_rejects_malformed(mutate: object, match: str) -> None:
     data = spec().to_dict()
     mutate(data)  # type: ignore[operator]
     with pytest.raises(LayoutError, match=match):
-        KVLayoutSpec.from_dict(data)
+        KVCacheSpec.from_dict(data)
     with pytest.raises(LayoutError, match="mapping"):
-        KVLayoutSpec.from_dict([1, 2])  # type: ignore[arg-type]
+        KVCacheSpec.from_dict([1, 2])  # type: ignore[arg-type]
 
 
 def test_check_compatible_accepts_equal_specs_and_dicts() -> None:
@@ -117,7 +117,7 @@ def test_check_compatible_accepts_equal_specs_and_dicts() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("dtype", "float16"), ("num_layers", 36), ("num_kv_heads", 4), ("head_dim", 64), ("block_size", 32)],
+    [("dtype", "float16"), ("num_layers", 36), ("num_kv_heads", 4), ("head_size", 64), ("block_size", 32)],
 )  # fmt: skip
 def test_check_compatible_names_the_differing_field(field: str, value: object) -> None:
     src = spec()
@@ -156,17 +156,17 @@ def test_check_compatible_reports_every_difference() -> None:
 
 def test_check_compatible_rejects_malformed_peer_dict() -> None:
     with pytest.raises(LayoutError, match="missing") as info:
-        check_compatible(spec(), {"version": 1, "dtype": "bfloat16"})
+        check_compatible(spec(), {"version": 2, "dtype": "bfloat16"})
     assert not isinstance(info.value, LayoutMismatch)
 
 
 def test_describe_numpy_caches_nhd_and_hnd() -> None:
     nhd = [np.zeros((2, 10, 16, 4, 64), dtype=np.float16) for _ in range(3)]
-    described = KVLayoutSpec.describe(nhd)
-    assert described == KVLayoutSpec(3, 16, 4, 64, "float16", "NHD")
+    described = KVCacheSpec.describe(nhd)
+    assert described == KVCacheSpec(3, 16, 4, 64, "float16", "NHD")
     assert described.layer_shape(10) == nhd[0].shape
     raw = describe_kv_cache(nhd)
-    assert KVLayoutSpec.from_kv_cache_layout(raw) == described
+    assert KVCacheSpec.from_kv_cache_layout(raw) == described
     # One half-layer block of blocks.KVCacheLayout is bytes_per_block / (2 * num_layers).
     assert raw.block_nbytes * 2 * raw.num_layers == described.bytes_per_block
     assert raw.transfer_nbytes(7) == described.transfer_nbytes(7)
@@ -174,11 +174,11 @@ def test_describe_numpy_caches_nhd_and_hnd() -> None:
 
 
 def test_describe_hnd_cache_through_its_logical_view() -> None:
-    expected = KVLayoutSpec(3, 16, 4, 64, "float32", "HND")
+    expected = KVCacheSpec(3, 16, 4, 64, "float32", "HND")
     hnd = [np.zeros(expected.layer_shape(10), dtype=np.float32) for _ in range(3)]
     assert hnd[0].shape == (2, 10, 4, 16, 64)
-    logical = [layer.transpose(0, 1, 3, 2, 4) for layer in hnd]  # [2, num_blocks, block_size, heads, head_dim]
-    assert KVLayoutSpec.describe(logical) == expected
+    logical = [layer.transpose(0, 1, 3, 2, 4) for layer in hnd]  # [2, num_blocks, block_size, heads, head_size]
+    assert KVCacheSpec.describe(logical) == expected
 
 
 def test_describe_rejects_other_strides() -> None:
@@ -187,7 +187,7 @@ def test_describe_rejects_other_strides() -> None:
     layout = describe_kv_cache(strided)
     assert layout.kv_layout not in ("NHD", "HND")
     with pytest.raises(LayoutError, match="neither NHD nor HND"):
-        KVLayoutSpec.from_kv_cache_layout(layout)
+        KVCacheSpec.from_kv_cache_layout(layout)
 
 
 def test_describe_reference_engine_cache() -> None:
@@ -197,9 +197,9 @@ def test_describe_reference_engine_cache() -> None:
 
     config = ModelConfig(num_hidden_layers=3, num_key_value_heads=2, head_dim=32, torch_dtype="float32")
     cache = PagedKVCache(config, CacheConfig(block_size=8, num_blocks=5))
-    described = KVLayoutSpec.describe(cache.layers)
-    expected = KVLayoutSpec.for_engine(
-        "reference", num_layers=3, block_size=8, num_kv_heads=2, head_dim=32, dtype=config.dtype
+    described = KVCacheSpec.describe(cache.layers)
+    expected = KVCacheSpec.for_engine(
+        "reference", num_layers=3, block_size=8, num_kv_heads=2, head_size=32, dtype=config.dtype
     )
     assert described == expected
     check_compatible(described, expected.to_dict())

@@ -68,7 +68,7 @@ def _interrupted(
     result: dict = {}
     t = threading.Thread(target=lambda: result.update(r=_generate(router, rid, n, psrl_id)), daemon=True)
     t.start()
-    wait_for(lambda: replica_busy(a.url) + replica_busy(b.url) > 0)
+    wait_for(lambda: replica_busy(a.url) + replica_busy(b.url) > 0, "a replica runs the request")
     source, dest = (a, b) if replica_busy(a.url) else (b, a)
     [source_id] = [w["id"] for w in httpx.get(f"{router.url}/workers").json()["workers"] if w["url"] == source.url]
     time.sleep(1.0)  # let it decode a while
@@ -158,7 +158,7 @@ def test_back_on_its_own_replica_the_request_adopts_its_pinned_kv(model_dir, log
         result: dict = {}
         t = threading.Thread(target=lambda: result.update(r=_generate(router, "own", 2000, 21)), daemon=True)
         t.start()
-        wait_for(lambda: replica_busy(replica.url) > 0)
+        wait_for(lambda: replica_busy(replica.url) > 0, "the replica runs the request")
         time.sleep(0.5)
         control = _control(replica)
         assert list(

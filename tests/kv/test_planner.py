@@ -109,8 +109,8 @@ def test_duplicate_destination_blocks() -> None:
 def test_numpy_migration_round_trip() -> None:
     """Move a request's KV from a source cache to a destination that already holds a cached prefix."""
     rng = np.random.default_rng(0)
-    num_layers, block_size, heads, head_dim = 3, 4, 2, 8
-    shape = (2, 12, block_size, heads, head_dim)
+    num_layers, block_size, heads, head_size = 3, 4, 2, 8
+    shape = (2, 12, block_size, heads, head_size)
     src = [rng.standard_normal(shape).astype(np.float16) for _ in range(num_layers)]
     dst = [np.zeros(shape, dtype=np.float16) for _ in range(num_layers)]
     src_table = [9, 2, 7, 4, 11]  # 18 tokens: 4 full blocks + 2 tokens

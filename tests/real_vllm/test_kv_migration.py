@@ -25,7 +25,7 @@ from psrl._proto import replica_control_pb2 as rc
 from psrl._proto import replica_control_pb2_grpc as rc_grpc
 from psrl.coordinator import RolloutCoordinator
 from psrl.gateway.processes import stop_processes
-from psrl.kv import KVLayoutSpec, LayoutError
+from psrl.kv import KVCacheSpec, LayoutError
 from psrl.worker.model_folder import WEIGHTS_FILE
 
 BLOCK = 128  # vLLM's CPU block size
@@ -152,7 +152,7 @@ def test_cache_views_move_whole_blocks_of_either_vllm_layout() -> None:
         src_raw, dst_raw = [make() for _ in range(2)], [make() for _ in range(2)]
         src, spec = cache_views(src_raw, BLOCK)
         dst, _ = cache_views(dst_raw, BLOCK)
-        assert (spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_dim) == (2, BLOCK, 2, 32)
+        assert (spec.num_layers, spec.block_size, spec.num_kv_heads, spec.head_size) == (2, BLOCK, 2, 32)
         assert spec.block_layout == layout
         _copy_blocks(src, [5, 3], dst, [1, 6])
         for s_layer, d_layer in zip(src_raw, dst_raw, strict=True):
@@ -286,7 +286,7 @@ def test_a_layout_mismatch_recomputes(vllm_model_dir, vllm_pair, weights, log_di
             d = _target(other)
             # The source refuses a peer whose blocks differ, with the reason.
             async with grpc.aio.insecure_channel(a) as channel:
-                layout = KVLayoutSpec(2, BLOCK, 2, 32, "float32", "NHD").to_dict()
+                layout = KVCacheSpec(2, BLOCK, 2, 32, "float32", "NHD").to_dict()
                 reply = await kv_grpc.KvMigrationStub(channel).TransferKv(
                     kv.TransferKvRequest(request_id="x", token_ids=prompt, layout_json=json.dumps(layout)), timeout=10
                 )

@@ -1,19 +1,8 @@
-"""Channels that move gathered KV blocks between replicas.
+"""POSIX shared memory between processes on one host: :class:`ShmChannel` and its pool and mappings.
 
-Three transports, one buffer layout (``[num_layers, 2, num_ids, block_size, num_kv_heads, head_size]``, see
-``psrl.kv.blocks``), so the two sides may use different cache strides (NHD/HND) or block numbering:
-
-* :class:`ShmChannel`: POSIX shared memory between processes on one host. The source gathers its blocks
-  straight into the segment and the destination scatters straight out of it: one copy on each side, none
-  in between. Segment names are unguessable and the segments are private to the user (mode 0600).
-* :class:`CudaIpcExport` / :class:`CudaIpcBuffer`: CUDA IPC between processes on one node. One side
-  exports a device buffer (and an interprocess event that marks its writes done), the other opens it and
-  scatters out of (or gathers into) the peer's memory with the one-launch kernels, or copies it with
-  ``cudaMemcpyPeerAsync``. Only streams and events order the work: no device-wide synchronisation.
-* :class:`NcclChannel`: NCCL send/recv between nodes. NCCL is loaded at run time (``nvidia-nccl-cu*`` wheel
-  or the loader path); nothing needs it to build or import.
-
-A typical shared-memory migration::
+The source gathers its blocks straight into the segment and the destination scatters straight out of it: one
+copy on each side, none in between. Segment names are unguessable and the segments are private to the user
+(mode 0600). A typical migration::
 
     # source replica                                   # destination replica
     with shm_send(caches, ids, num_tokens=n) as ch:
@@ -26,7 +15,6 @@ A typical shared-memory migration::
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import math
 import os
 import secrets
@@ -34,17 +22,15 @@ import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import numpy as np
 
-import psrl._kvx as _kvx  # native module; mypy treats it as untyped
+from psrl import _kvx
 from psrl.kv.blocks import (
     DTYPE_ITEMSIZE,
-    HAS_CUDA,
     ArrayLike,
     BlockIds,
     KVCacheLayout,
@@ -54,18 +40,9 @@ from psrl.kv.blocks import (
     gather_blocks,
     scatter_blocks,
 )
+from psrl.kv.channels.base import KVChannelError
 
 __all__ = [
-    "CudaEvent",
-    "CudaIpcBuffer",
-    "CudaIpcDescriptor",
-    "CudaIpcExport",
-    "CudaUnavailableError",
-    "DeviceArray",
-    "KVChannelError",
-    "KVLayoutMismatchError",
-    "NcclChannel",
-    "NcclUnavailableError",
     "ShmChannel",
     "ShmMappings",
     "ShmPool",
@@ -73,27 +50,15 @@ __all__ = [
     "ShmSegmentNotFoundError",
     "ShmSizeMismatchError",
     "ShmTransfer",
-    "cuda_peer_copy_async",
-    "nccl_get_unique_id",
-    "nccl_library_candidates",
     "new_segment_name",
     "shm_receive",
     "shm_send",
 ]
 
 ShmSegment = _kvx.ShmSegment
-NcclUnavailableError: type[RuntimeError] = _kvx.NcclUnavailableError
-CudaEvent: Any = getattr(_kvx, "CudaEvent", None)  # None in a build without CUDA
 
 _SEGMENT_PREFIX = "psrl-kv"
 _BITS_DTYPE = {2: np.int16, 4: np.int32}  # numpy view of a dtype numpy may lack (bf16)
-
-
-# --- errors -------------------------------------------------------------------------------------------
-
-
-class KVChannelError(Exception):
-    """Base class of the errors a KV channel raises on its own."""
 
 
 class ShmSegmentNotFoundError(KVChannelError, FileNotFoundError):
@@ -102,20 +67,6 @@ class ShmSegmentNotFoundError(KVChannelError, FileNotFoundError):
 
 class ShmSizeMismatchError(KVChannelError, ValueError):
     """The segment's size differs from what its transfer descriptor says: a stale or foreign segment."""
-
-
-class CudaUnavailableError(KVChannelError, RuntimeError):
-    """psrl._kvx was built without CUDA, so CUDA IPC and NCCL channels are not available."""
-
-
-def _require_cuda(what: str) -> None:
-    if not HAS_CUDA:
-        raise CudaUnavailableError(
-            f"{what} needs psrl._kvx built with CUDA; this build has none (nvcc was not found when it was built)"
-        )
-
-
-# --- POSIX shared memory ------------------------------------------------------------------------------
 
 
 def new_segment_name(prefix: str = _SEGMENT_PREFIX) -> str:
@@ -170,22 +121,23 @@ class ShmTransfer:
         )
 
 
-def _host_view(buffer: Any, shape: tuple[int, ...], dtype: str, like: ArrayLike | None) -> ArrayLike:
+def _host_view(buffer: ShmSegment, shape: tuple[int, ...], dtype: str, like: ArrayLike | None) -> ArrayLike:
     """Zero-copy view of a buffer-protocol object as a numpy array, or as a CPU torch tensor when the caches
     (``like``) are torch tensors or the dtype is one numpy lacks (bf16)."""
     torch_like = like is not None and not isinstance(like, np.ndarray)
     count = math.prod(shape)  # the buffer may be longer (a pooled segment): the view is its start
+    view = memoryview(buffer)  # the segment's buffer export, held by the arrays made from it
     if not torch_like and dtype != "bfloat16":
-        return np.frombuffer(buffer, dtype=np.dtype(dtype), count=count).reshape(shape)
+        return np.frombuffer(view, dtype=np.dtype(dtype), count=count).reshape(shape)
     torch = sys.modules.get("torch")
     if torch is None:
         raise KVLayoutMismatchError(f"a {dtype} buffer needs torch (numpy has no such dtype); import torch first")
-    bits = np.frombuffer(buffer, dtype=_BITS_DTYPE[DTYPE_ITEMSIZE[dtype]], count=count)
+    bits = np.frombuffer(view, dtype=_BITS_DTYPE[DTYPE_ITEMSIZE[dtype]], count=count)
     # torch.from_numpy keeps the numpy array, which keeps the buffer export, alive as long as the tensor.
     return torch.from_numpy(bits).view(getattr(torch, dtype)).reshape(shape)
 
 
-def _open_segment(transfer: ShmTransfer) -> Any:
+def _open_segment(transfer: ShmTransfer) -> ShmSegment:
     """Map the segment a source made for `transfer` (checked against it; never unlinked here)."""
     try:
         segment = ShmSegment.open(transfer.name)
@@ -203,12 +155,12 @@ def _open_segment(transfer: ShmTransfer) -> Any:
     return segment
 
 
-def _unmap(segment: Any) -> None:
+def _unmap(segment: ShmSegment) -> None:
     with contextlib.suppress(BufferError):  # a live view: unmapped when the last one goes
         segment.close()
 
 
-def _destroy(segment: Any) -> None:
+def _destroy(segment: ShmSegment) -> None:
     with contextlib.suppress(FileNotFoundError):
         segment.unlink()
     _unmap(segment)
@@ -231,7 +183,7 @@ class ShmPool:
             raise ValueError("max_idle_bytes must be >= 0 and min_segment_bytes > 0")
         self.max_idle_bytes = max_idle_bytes
         self._min = min_segment_bytes
-        self._idle: list[Any] = []  # mapped segments nobody uses, least recently used first
+        self._idle: list[ShmSegment] = []  # mapped segments nobody uses, least recently used first
         self._lock = threading.RLock()  # reentrant: a channel's __del__ may run inside a locked section
         self._closed = False
         self.created = 0  # segments made
@@ -249,7 +201,7 @@ class ShmPool:
         with self._lock:
             return sum(seg.size for seg in self._idle)
 
-    def acquire(self, nbytes: int) -> Any:
+    def acquire(self, nbytes: int) -> ShmSegment:
         """A mapped segment of `nbytes`' size class for one transfer: the most recently used idle one (likely
         still mapped by its last reader), or a new one."""
         size = self.size_class(nbytes)
@@ -271,7 +223,7 @@ class ShmPool:
             for seg in stale:
                 _destroy(seg)
 
-    def release(self, segment: Any) -> None:
+    def release(self, segment: ShmSegment) -> None:
         """A segment its reader is done with: idle for the next transfer, or destroyed when it may not be reused
         (see the class) or does not fit."""
         evicted = [segment]
@@ -287,7 +239,7 @@ class ShmPool:
         for seg in evicted:
             _destroy(seg)
 
-    def retire(self, segment: Any) -> None:
+    def retire(self, segment: ShmSegment) -> None:
         """A segment that must not be reused (unacknowledged, or failed): unlinked and unmapped."""
         _destroy(segment)
 
@@ -315,7 +267,7 @@ class ShmMappings:
         self._lock = threading.RLock()  # reentrant: a channel's __del__ may run inside a locked section
         self.opened = 0  # segments mapped
 
-    def acquire(self, transfer: ShmTransfer) -> Any:
+    def acquire(self, transfer: ShmTransfer) -> ShmSegment:
         """The segment of a pooled transfer, mapped (until :meth:`done`)."""
         with self._lock:
             entry = self._maps.get(transfer.name)
@@ -336,7 +288,7 @@ class ShmMappings:
             self._maps[transfer.name] = [segment, 1]
         return segment
 
-    def done(self, segment: Any) -> None:
+    def done(self, segment: ShmSegment) -> None:
         evicted = []
         with self._lock:
             entry = self._maps.get(segment.name)
@@ -386,10 +338,10 @@ class ShmChannel:
 
     def __init__(
         self,
-        segment: Any,
+        segment: ShmSegment,
         transfer: ShmTransfer,
         *,
-        release: Callable[[Any], None] | None = None,
+        release: Callable[[ShmSegment], None] | None = None,
         pool: ShmPool | None = None,
     ) -> None:
         self._segment = segment
@@ -457,7 +409,7 @@ class ShmChannel:
         return self._transfer.name
 
     @property
-    def segment(self) -> Any:
+    def segment(self) -> ShmSegment:
         return self._segment
 
     @property
@@ -584,372 +536,3 @@ def shm_receive(
     ``block_ids`` and unmap it (or give a pooled one back to ``mappings``, kept mapped for the next)."""
     with ShmChannel.open(transfer, mappings=mappings) as channel:
         channel.scatter(layer_caches, block_ids, num_threads=num_threads)
-
-
-# --- CUDA IPC -----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Device:
-    """Just enough of torch.device for psrl.kv.blocks."""
-
-    index: int
-    type: str = "cuda"
-
-
-@dataclass(frozen=True)
-class DeviceArray:
-    """A contiguous device buffer given by a raw pointer (e.g. a peer's memory opened through CUDA IPC),
-    shaped like a torch CUDA tensor so ``psrl.kv.gather_blocks(out=...)`` / ``scatter_blocks`` accept it."""
-
-    ptr: int
-    shape: tuple[int, ...]
-    dtype: str
-    device_index: int
-    is_cuda: bool = field(default=True, init=False)
-
-    @property
-    def device(self) -> _Device:
-        return _Device(self.device_index)
-
-    def data_ptr(self) -> int:
-        return self.ptr
-
-    def element_size(self) -> int:
-        return DTYPE_ITEMSIZE[self.dtype]
-
-    def stride(self) -> tuple[int, ...]:
-        strides, step = [], 1
-        for size in reversed(self.shape):
-            strides.append(step)
-            step *= size
-        return tuple(reversed(strides))
-
-
-def _torch_stream(device: int, stream: int | None) -> int:
-    """``stream`` or torch's current stream on ``device`` (the legacy default stream without torch)."""
-    if stream is not None:
-        return int(stream)
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return 0
-    return int(torch.cuda.current_stream(device).cuda_stream)
-
-
-def _dtype_name(tensor: Any) -> str:
-    return str(tensor.dtype).removeprefix("torch.")
-
-
-@dataclass(frozen=True)
-class CudaIpcDescriptor:
-    """What a peer process needs to open an exported device buffer: send it over any control channel."""
-
-    handle: bytes  # cudaIpcMemHandle_t of the allocation holding the buffer
-    offset: int  # bytes from the allocation's base to the buffer
-    shape: tuple[int, ...]
-    dtype: str
-    device: int  # the exporter's device index (the opener may see it under another index)
-    event_handle: bytes | None = None  # interprocess event recorded after the exporter's writes
-    num_tokens: int | None = None  # for KV buffers: as ShmTransfer.num_tokens
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "handle": self.handle.hex(),
-            "offset": self.offset,
-            "shape": list(self.shape),
-            "dtype": self.dtype,
-            "device": self.device,
-            "event_handle": None if self.event_handle is None else self.event_handle.hex(),
-            "num_tokens": self.num_tokens,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> CudaIpcDescriptor:
-        event = data.get("event_handle")
-        num_tokens = data.get("num_tokens")
-        return cls(
-            handle=bytes.fromhex(data["handle"]),
-            offset=int(data["offset"]),
-            shape=tuple(int(n) for n in data["shape"]),
-            dtype=str(data["dtype"]),
-            device=int(data["device"]),
-            event_handle=None if event is None else bytes.fromhex(event),
-            num_tokens=None if num_tokens is None else int(num_tokens),
-        )
-
-
-class CudaIpcExport:
-    """Exporter side: keeps a contiguous CUDA tensor (and the event marking its writes) alive while a peer
-    uses it. :meth:`record` (done at construction) marks everything enqueued so far on ``stream`` as what
-    the peer must wait for; close the export only after the peer says it has finished with the buffer."""
-
-    def __init__(self, tensor: Any, *, stream: int | None = None, num_tokens: int | None = None) -> None:
-        _require_cuda("CUDA IPC")
-        if not getattr(tensor, "is_cuda", False):
-            raise ValueError("CUDA IPC exports CUDA tensors only")
-        if not tensor.is_contiguous():
-            raise ValueError("CUDA IPC exports contiguous tensors only")
-        device = int(tensor.device.index if tensor.device.index is not None else 0)
-        handle, offset, _, device = _kvx.cuda_ipc_export(int(tensor.data_ptr()), device)
-        self._tensor = tensor
-        self._event = _kvx.CudaEvent(device, True)
-        self.descriptor = CudaIpcDescriptor(
-            handle=bytes(handle),
-            offset=int(offset),
-            shape=tuple(int(n) for n in tensor.shape),
-            dtype=_dtype_name(tensor),
-            device=int(device),
-            event_handle=bytes(self._event.ipc_handle()),
-            num_tokens=num_tokens,
-        )
-        self.record(stream)
-
-    def record(self, stream: int | None = None) -> None:
-        """Record the interprocess event on ``stream`` (default: torch's current stream)."""
-        self._event.record(_torch_stream(self.descriptor.device, stream))
-
-    def close(self) -> None:
-        self._event.destroy()
-        self._tensor = None
-
-    def __enter__(self) -> CudaIpcExport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class CudaIpcBuffer:
-    """Opener side: a peer's exported buffer mapped into this process (``cudaIpcOpenMemHandle``)."""
-
-    def __init__(self, descriptor: CudaIpcDescriptor, device: int = 0) -> None:
-        _require_cuda("CUDA IPC")
-        self.descriptor = descriptor
-        self.device = int(device)
-        self._base = int(_kvx.cuda_ipc_open(descriptor.handle, self.device))
-        self._event: Any = None
-        try:
-            if descriptor.event_handle is not None:
-                self._event = _kvx.CudaEvent.from_ipc_handle(descriptor.event_handle, self.device)
-        except BaseException:
-            _kvx.cuda_ipc_close(self._base, self.device)
-            raise
-
-    @classmethod
-    def open(cls, descriptor: CudaIpcDescriptor, device: int = 0) -> CudaIpcBuffer:
-        return cls(descriptor, device)
-
-    @property
-    def closed(self) -> bool:
-        return self._base == 0
-
-    @property
-    def ptr(self) -> int:
-        if self.closed:
-            raise ValueError("the CUDA IPC buffer is closed")
-        return self._base + self.descriptor.offset
-
-    def as_array(self) -> DeviceArray:
-        """The peer's buffer as a tensor-like psrl.kv's gather/scatter accept (no copy)."""
-        return DeviceArray(self.ptr, self.descriptor.shape, self.descriptor.dtype, self.device)
-
-    def wait(self, stream: int | None = None) -> None:
-        """Make ``stream`` wait for the exporter's recorded writes (the host does not wait)."""
-        if self._event is not None:
-            self._event.wait(_torch_stream(self.device, stream))
-
-    def _done_event(self, stream: int) -> Any:
-        done = _kvx.CudaEvent(self.device, False)
-        done.record(stream)
-        return done
-
-    def scatter(self, layer_caches: Sequence[ArrayLike], block_ids: BlockIds, *, stream: int | None = None) -> Any:
-        """Scatter the peer's buffer into ``block_ids`` of local CUDA caches with one kernel reading peer
-        memory, after the exporter's event; returns a CudaEvent recorded after the kernel."""
-        cuda_stream = _torch_stream(self.device, stream)
-        self.wait(cuda_stream)
-        scatter_blocks(
-            self.as_array(), layer_caches, block_ids, stream=cuda_stream, num_tokens=self.descriptor.num_tokens
-        )
-        return self._done_event(cuda_stream)
-
-    def gather(self, layer_caches: Sequence[ArrayLike], block_ids: BlockIds, *, stream: int | None = None) -> Any:
-        """Gather ``block_ids`` of local CUDA caches straight into the peer's buffer (one kernel writing peer
-        memory); returns a CudaEvent recorded after the kernel."""
-        cuda_stream = _torch_stream(self.device, stream)
-        self.wait(cuda_stream)
-        gather_blocks(
-            layer_caches, block_ids, out=self.as_array(), stream=cuda_stream, num_tokens=self.descriptor.num_tokens
-        )
-        return self._done_event(cuda_stream)
-
-    def copy_to(self, tensor: Any, *, stream: int | None = None) -> Any:
-        """``cudaMemcpyPeerAsync`` the peer's buffer into a local contiguous CUDA tensor of the same size,
-        after the exporter's event; returns a CudaEvent recorded after the copy."""
-        if not getattr(tensor, "is_cuda", False) or not tensor.is_contiguous():
-            raise ValueError("copy_to needs a contiguous CUDA tensor")
-        nbytes = int(tensor.numel()) * int(tensor.element_size())
-        if nbytes != self.descriptor.nbytes:
-            raise KVLayoutMismatchError(f"copy_to: tensor has {nbytes} bytes, the peer buffer {self.descriptor.nbytes}")
-        dst_device = int(tensor.device.index if tensor.device.index is not None else 0)
-        cuda_stream = _torch_stream(dst_device, stream)
-        self.wait(cuda_stream)
-        return cuda_peer_copy_async(
-            int(tensor.data_ptr()), dst_device, self.ptr, self.device, nbytes, stream=cuda_stream
-        )
-
-    def close(self) -> None:
-        """Close the mapping (enqueued work that reads it must be done: wait on its event first)."""
-        if self._event is not None:
-            self._event.destroy()
-            self._event = None
-        if self._base:
-            base, self._base = self._base, 0
-            _kvx.cuda_ipc_close(base, self.device)
-
-    def __enter__(self) -> CudaIpcBuffer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def cuda_peer_copy_async(
-    dst: int, dst_device: int, src: int, src_device: int, nbytes: int, *, stream: int | None = None
-) -> Any:
-    """``cudaMemcpyPeerAsync`` of raw device pointers on ``stream`` (default: torch's current stream on
-    dst_device); returns a CudaEvent recorded after the copy to wait on."""
-    _require_cuda("cuda_peer_copy_async")
-    cuda_stream = _torch_stream(dst_device, stream)
-    return _kvx.cuda_peer_copy_async(dst, dst_device, src, src_device, nbytes, cuda_stream, dst_device)
-
-
-# --- NCCL ---------------------------------------------------------------------------------------------
-
-
-def nccl_library_candidates(library: str | os.PathLike[str] | None = None) -> list[str]:
-    """Paths tried before the loader's default ``libnccl.so.2``: ``library``, ``$PSRL_NCCL_LIBRARY``, then
-    ``nvidia/nccl/lib/libnccl.so.2`` of an installed ``nvidia-nccl-cu*`` wheel."""
-    candidates = [str(library)] if library is not None else []
-    env = os.environ.get("PSRL_NCCL_LIBRARY")
-    if env:
-        candidates.append(env)
-    try:
-        spec = importlib.util.find_spec("nvidia.nccl")
-    except (ImportError, ValueError):
-        spec = None
-    for location in (spec.submodule_search_locations or []) if spec is not None else []:
-        path = Path(location) / "lib" / "libnccl.so.2"
-        if path.exists():
-            candidates.append(str(path))
-    return candidates
-
-
-def nccl_get_unique_id(library: str | os.PathLike[str] | None = None) -> bytes:
-    """``ncclGetUniqueId`` (128 bytes) for rank 0 to hand to the other ranks; NcclUnavailableError if no
-    NCCL library loads."""
-    return bytes(_kvx.nccl_get_unique_id(nccl_library_candidates(library)))
-
-
-class NcclChannel:
-    """A point-to-point NCCL communicator for KV buffers between replicas on different nodes.
-
-    Every rank builds one with the same ``unique_id`` (from :func:`nccl_get_unique_id` on one rank) and
-    world size; construction blocks until all have joined. Sends and receives are enqueued on a CUDA stream
-    (default: torch's current stream) and never wait on the host.
-    """
-
-    def __init__(
-        self,
-        unique_id: bytes,
-        world_size: int,
-        rank: int,
-        device: int = 0,
-        *,
-        library: str | os.PathLike[str] | None = None,
-    ) -> None:
-        _require_cuda("the NCCL channel")
-        candidates = nccl_library_candidates(library)
-        self._comm = _kvx.NcclCommunicator(bytes(unique_id), world_size, rank, device, candidates)
-
-    @property
-    def rank(self) -> int:
-        return int(self._comm.rank)
-
-    @property
-    def world_size(self) -> int:
-        return int(self._comm.world_size)
-
-    @property
-    def device(self) -> int:
-        return int(self._comm.device)
-
-    @property
-    def closed(self) -> bool:
-        return bool(self._comm.closed)
-
-    def send(self, ptr: int, nbytes: int, peer: int, stream: int | None = None) -> None:
-        self._comm.send(ptr, nbytes, peer, _torch_stream(self.device, stream))
-
-    def recv(self, ptr: int, nbytes: int, peer: int, stream: int | None = None) -> None:
-        self._comm.recv(ptr, nbytes, peer, _torch_stream(self.device, stream))
-
-    def send_tensor(self, tensor: Any, peer: int, stream: int | None = None) -> None:
-        self.send(int(tensor.data_ptr()), _contiguous_cuda_nbytes(tensor), peer, stream)
-
-    def recv_tensor(self, tensor: Any, peer: int, stream: int | None = None) -> None:
-        self.recv(int(tensor.data_ptr()), _contiguous_cuda_nbytes(tensor), peer, stream)
-
-    def send_blocks(
-        self,
-        layer_caches: Sequence[ArrayLike],
-        block_ids: BlockIds,
-        peer: int,
-        *,
-        num_tokens: int | None = None,
-        stream: int | None = None,
-    ) -> Any:
-        """Gather ``block_ids`` of CUDA caches into a new buffer and send it, both on ``stream``. Returns the
-        buffer: keep it alive until the stream has passed the send (or use torch's current stream)."""
-        cuda_stream = _torch_stream(self.device, stream)
-        buffer = gather_blocks(layer_caches, block_ids, stream=cuda_stream, num_tokens=num_tokens)
-        self.send_tensor(buffer, peer, cuda_stream)
-        return buffer
-
-    def recv_blocks(
-        self,
-        layer_caches: Sequence[ArrayLike],
-        block_ids: BlockIds,
-        peer: int,
-        *,
-        num_tokens: int | None = None,
-        stream: int | None = None,
-    ) -> Any:
-        """Receive a buffer from ``peer`` and scatter it into ``block_ids`` of CUDA caches, both on
-        ``stream``; returns the buffer (same lifetime rule as :meth:`send_blocks`)."""
-        layout = describe_kv_cache(layer_caches)
-        ids = np.asarray(block_ids)
-        cuda_stream = _torch_stream(self.device, stream)
-        buffer = layer_caches[0].new_empty(layout.buffer_shape(len(ids)))
-        self.recv_tensor(buffer, peer, cuda_stream)
-        scatter_blocks(buffer, layer_caches, ids, stream=cuda_stream, num_tokens=num_tokens)
-        return buffer
-
-    def close(self, *, abort: bool = False) -> None:
-        self._comm.destroy(abort)
-
-    def __enter__(self) -> NcclChannel:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        self.close(abort=exc_type is not None)
-
-
-def _contiguous_cuda_nbytes(tensor: Any) -> int:
-    if not getattr(tensor, "is_cuda", False) or not tensor.is_contiguous():
-        raise ValueError("NCCL sends and receives contiguous CUDA tensors only")
-    return int(tensor.numel()) * int(tensor.element_size())
