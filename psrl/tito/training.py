@@ -1,6 +1,7 @@
 """Training arrays (prompt, response, mask, logprobs, versions, routed experts) built from a TITO session snapshot.
 
-Follows COMPAT section 6 `build_training_data` steps 1-8; pure logic, no I/O.
+PSRL's `build_training_data` in eight steps (numbered in `_build`; docs/tito.md, Training arrays); pure
+logic, no I/O.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ import io
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 import numpy as np
 
-logger = logging.getLogger(__name__)
+from psrl.tito.schema import Snapshot, SnapshotTrajectory, TrajectoryId, TurnRecord
 
-TrajectoryId = int | str
+logger = logging.getLogger(__name__)
 
 # Version recorded for tokens the model did not sample, or whose weight version nobody reported.
 UNKNOWN_VERSION = -1
@@ -27,6 +28,12 @@ class TrainingDataError(ValueError):
     """A snapshot (or trajectory) that cannot be turned into training arrays."""
 
     code = "tito_training_data"
+
+
+class TrimTooLarge(TrainingDataError):
+    """strict=True: a turn's output differs from the next prompt in more than max_trim_tokens trailing tokens."""
+
+    code = "tito_trim_too_large"
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,30 +60,32 @@ class TrainingArrays:
     # snapshot's records of its turns, root to leaf.
     final: bool = True
     path_node_ids: tuple[int, ...] = ()
-    records: tuple[Mapping[str, Any], ...] = ()
+    records: tuple[TurnRecord, ...] = ()
 
 
 def build_training_arrays(
-    snapshot_or_trajectory: Mapping[str, Any],
+    snapshot_or_trajectory: Snapshot | SnapshotTrajectory,
     *,
     trajectory_id: TrajectoryId | None = None,
     max_trim_tokens: int | None = None,
     prompt_ids_override: Sequence[int] | None = None,
+    strict: bool = False,
 ) -> TrainingArrays:
     """Build one trajectory's arrays from a GET /tito/sessions/{sid} snapshot or from one of its trajectories.
 
     With a snapshot, `trajectory_id` picks the trajectory's final history (the entry marked `final`; the other
     branches it left behind are built by build_all_training_arrays, or by passing one entry of `trajectories`);
     it may be omitted when the snapshot has exactly one trajectory id. `max_trim_tokens` defaults to the
-    snapshot's own value (0 when absent, and for a bare trajectory).
+    snapshot's own value (0 when absent, and for a bare trajectory). A turn whose output differs from the next
+    prompt in more trailing tokens than that is trimmed by max_trim_tokens only, with a warning; with `strict`,
+    it raises TrimTooLarge instead.
     """
     if _is_snapshot(snapshot_or_trajectory):
         trajectories = _trajectories(snapshot_or_trajectory)
         trajectory = _select_trajectory(trajectories, trajectory_id)
         default_trim = snapshot_or_trajectory.get("max_trim_tokens") or 0
     else:
-        trajectory = snapshot_or_trajectory
-        _check_trajectory(trajectory)
+        trajectory = _check_trajectory(snapshot_or_trajectory)
         if trajectory_id is not None and not _same_id(trajectory.get("trajectory_id"), trajectory_id):
             raise TrainingDataError(
                 f"trajectory_id {trajectory_id!r} requested, but the trajectory given is "
@@ -87,16 +96,18 @@ def build_training_arrays(
         trajectory,
         max_trim_tokens=default_trim if max_trim_tokens is None else max_trim_tokens,
         prompt_ids_override=prompt_ids_override,
+        strict=strict,
     )
 
 
 def build_all_training_arrays(
-    snapshot: Mapping[str, Any], *, max_trim_tokens: int | None = None, final_only: bool = False
+    snapshot: Snapshot, *, max_trim_tokens: int | None = None, final_only: bool = False, strict: bool = False
 ) -> list[TrainingArrays]:
     """Build one sample per exported branch of a snapshot: every sampled turn of the session is in one of them.
 
     Sorted by trajectory id; within one, its final history first, then the branches it left behind (history
     rewrites, an agent that dropped its reply), in the snapshot's order. `final_only`: only the final histories.
+    `max_trim_tokens` and `strict` as for build_training_arrays.
     """
     if not _is_snapshot(snapshot):
         raise TrainingDataError("build_all_training_arrays needs a session snapshot with `trajectories`")
@@ -104,13 +115,13 @@ def build_all_training_arrays(
     trajectories = sorted(_trajectories(snapshot), key=lambda t: _id_sort_key(t.get("trajectory_id")))
     if final_only:
         trajectories = [t for t in trajectories if _is_final(t)]
-    return [_build(t, max_trim_tokens=trim, prompt_ids_override=None) for t in trajectories]
+    return [_build(t, max_trim_tokens=trim, prompt_ids_override=None, strict=strict) for t in trajectories]
 
 
 # --- input shape -------------------------------------------------------------------------------------------
 
 
-def _is_snapshot(obj: Mapping[str, Any]) -> bool:
+def _is_snapshot(obj: Snapshot | SnapshotTrajectory) -> TypeGuard[Snapshot]:
     if not isinstance(obj, Mapping):
         raise TrainingDataError(f"expected a snapshot or trajectory dict, got {type(obj).__name__}")
     if "trajectories" in obj:
@@ -124,14 +135,15 @@ def _is_snapshot(obj: Mapping[str, Any]) -> bool:
     return False
 
 
-def _check_trajectory(trajectory: Any) -> None:
+def _check_trajectory(trajectory: object) -> SnapshotTrajectory:
     if not isinstance(trajectory, Mapping) or "records" not in trajectory or "accumulated_token_ids" not in trajectory:
         raise TrainingDataError(
             "expected a trajectory dict with `accumulated_token_ids` and `records` (or a snapshot with `trajectories`)"
         )
+    return cast(SnapshotTrajectory, trajectory)
 
 
-def _trajectories(snapshot: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+def _trajectories(snapshot: Snapshot) -> list[SnapshotTrajectory]:
     trajectories = snapshot["trajectories"]
     if not isinstance(trajectories, list):
         raise TrainingDataError("snapshot `trajectories` must be a list")
@@ -140,12 +152,14 @@ def _trajectories(snapshot: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return trajectories
 
 
-def _is_final(trajectory: Mapping[str, Any]) -> bool:
+def _is_final(trajectory: SnapshotTrajectory) -> bool:
     # Snapshots from before branches were exported have no `final`: each entry is its trajectory's history.
     return trajectory.get("final", True) is not False
 
 
-def _select_trajectory(trajectories: list[Mapping[str, Any]], trajectory_id: TrajectoryId | None) -> Mapping[str, Any]:
+def _select_trajectory(
+    trajectories: list[SnapshotTrajectory], trajectory_id: TrajectoryId | None
+) -> SnapshotTrajectory:
     finals = [t for t in trajectories if _is_final(t)]
     ids = [t.get("trajectory_id") for t in finals]
     if trajectory_id is None:
@@ -176,11 +190,11 @@ def _id_sort_key(tid: Any) -> tuple[int, int, str]:
     return (1, 0, str(tid))
 
 
-# --- the build (COMPAT section 6, steps 1-8) ---------------------------------------------------------------
+# --- the build (steps 1-8) --------------------------------------------------------------------------------
 
 
 def _build(
-    trajectory: Mapping[str, Any], *, max_trim_tokens: int, prompt_ids_override: Sequence[int] | None
+    trajectory: SnapshotTrajectory, *, max_trim_tokens: int, prompt_ids_override: Sequence[int] | None, strict: bool
 ) -> TrainingArrays:
     if isinstance(max_trim_tokens, bool) or not isinstance(max_trim_tokens, int) or max_trim_tokens < 0:
         raise TrainingDataError(f"max_trim_tokens must be a non-negative int, got {max_trim_tokens!r}")
@@ -235,6 +249,11 @@ def _build(
         if i < last and out_ids:
             trim = len(out_ids) - _matched_prefix(out_ids, acc, prompt_len)
             if trim > max_trim_tokens:
+                if strict:
+                    raise TrimTooLarge(
+                        f"trajectory {tid!r} turn {i}: {trim} output tokens do not match the accumulated tokens, "
+                        f"more than max_trim_tokens={max_trim_tokens}"
+                    )
                 logger.warning(
                     "TITO trajectory %r turn %d: %d output tokens do not match the accumulated tokens, more than "
                     "max_trim_tokens=%d; trimming only %d",
@@ -295,7 +314,7 @@ def _prompt_len(record: Any, index: int, acc_len: int, tid: Any) -> int:
 
 
 def _turn_output(
-    record: Mapping[str, Any], index: int, tid: Any, *, owns_tokens: bool
+    record: TurnRecord, index: int, tid: Any, *, owns_tokens: bool
 ) -> tuple[list[int], list[float], list[int]]:
     pairs = record.get("output_logprobs")
     if pairs is None:
@@ -338,7 +357,7 @@ def _matched_prefix(out_ids: list[int], acc: list[int], prompt_len: int) -> int:
     return len(window)
 
 
-def _assemble_routed_experts(records: list[Mapping[str, Any]], rows: int, tid: Any) -> np.ndarray | None:
+def _assemble_routed_experts(records: list[TurnRecord], rows: int, tid: Any) -> np.ndarray | None:
     out: np.ndarray | None = None
     for index, record in enumerate(records):
         blob = record.get("routed_experts")

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from psrl.tito import TitoStore, build_all_training_arrays, build_training_arrays
-from psrl.tito.session import DROPPED_BRANCH, SESSION_EXPIRED
+from psrl.tito.store import NotExported
 from psrl.tokenizer import Tokenizer, build_tiny_tokenizer
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
@@ -72,7 +72,10 @@ def test_an_agent_that_drops_its_replies_keeps_every_turn_by_default(tok: Tokeni
     assert [(t["final"], t["path_node_ids"]) for t in trajectories] == [(True, [10])] + [
         (False, [k]) for k in range(10)
     ]
-    assert snap["turns_not_exported"] == 0 and store.turns_not_exported == {DROPPED_BRANCH: 0, SESSION_EXPIRED: 0}
+    assert snap["turns_not_exported"] == 0 and store.turns_not_exported == {
+        NotExported.DROPPED_BRANCH: 0,
+        NotExported.SESSION_EXPIRED: 0,
+    }
 
     every = build_all_training_arrays(snap)
     assert len(every) == 11 and sum(a.num_turns for a in every) == 11
@@ -91,12 +94,12 @@ def test_an_agent_that_drops_its_replies_keeps_every_turn_by_default(tok: Tokeni
 def test_dropping_branches_is_explicit_and_counted(tok: Tokenizer, caplog: pytest.LogCaptureFixture) -> None:
     store = TitoStore(tok, drop_dead_leaves=True)
     sid = store.create_session()
-    with caplog.at_level(logging.INFO, logger="psrl.tito.session"):
+    with caplog.at_level(logging.INFO, logger="psrl.tito.store"):
         calls = drop_reply_agent(store, sid, 11)
     snap = store.snapshot(sid)
     [final] = snap["trajectories"]
     assert final["final"] and final["path_node_ids"] == [10]
-    assert snap["turns_not_exported"] == 10 and store.turns_not_exported[DROPPED_BRANCH] == 10
+    assert snap["turns_not_exported"] == 10 and store.turns_not_exported[NotExported.DROPPED_BRANCH] == 10
     assert store.num_nodes(sid) == 1  # GC freed the dropped ones (threshold 0)
     lines = [r.getMessage() for r in caplog.records if "in no exported trajectory" in r.getMessage()]
     assert len(lines) == 10 and all("1 sampled turns" in line for line in lines)
@@ -111,13 +114,13 @@ def test_a_dropped_branch_is_counted_once_and_never_continued(tok: Tokenizer) ->
     turn(store, sid, history, "First.")
     turn(store, sid, [*history, reply("First."), user("Go on.")], "Second.")
     turn(store, sid, [SYSTEM, user("Another task.")], "Rewritten.")  # a new root: nodes 0 and 1 are dropped
-    assert store.num_nodes(sid) == 3 and store.turns_not_exported[DROPPED_BRANCH] == 2
+    assert store.num_nodes(sid) == 3 and store.turns_not_exported[NotExported.DROPPED_BRANCH] == 2
     # Echoing the dropped reply does not bring its ids back: a new root.
     prepared, _ = turn(store, sid, [*history, reply("First."), user("Go on.")], "Again.")
     assert prepared.parent_node_id is None
     snap = store.snapshot(sid)
     assert [t["path_node_ids"] for t in snap["trajectories"]] == [[3]]
-    assert store.turns_not_exported[DROPPED_BRANCH] == 3 and snap["turns_not_exported"] == 3
+    assert store.turns_not_exported[NotExported.DROPPED_BRANCH] == 3 and snap["turns_not_exported"] == 3
     nodes = {n["id"]: n["trajectory_ids"] for n in snap["tree"]["nodes"]}
     assert nodes == {0: [], 1: [], 2: [], 3: [0]}
 
@@ -181,9 +184,9 @@ def test_an_expired_session_counts_the_turns_no_snapshot_exported(
     turn(store, deleted, history, "A.")
     store.delete_session(deleted)  # its owner asked: not a loss
     clock.now += 11
-    with caplog.at_level(logging.WARNING, logger="psrl.tito.session"):
+    with caplog.at_level(logging.WARNING, logger="psrl.tito.store"):
         store.create_session()
     assert kept not in store and store.sessions_expired == 1
-    assert store.turns_not_exported == {DROPPED_BRANCH: 0, SESSION_EXPIRED: 1}
+    assert store.turns_not_exported == {NotExported.DROPPED_BRANCH: 0, NotExported.SESSION_EXPIRED: 1}
     [line] = [r.getMessage() for r in caplog.records if "expired" in r.getMessage()]
     assert "1 sampled turns no snapshot exported" in line

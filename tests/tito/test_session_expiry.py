@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from psrl.tito import InvalidTurn, SessionNotFound, TitoStore, TooManyClientSessions, TooManySessions
-from psrl.tito.session import EXPIRE_BATCH
+from psrl.tito.store import EXPIRE_BATCH
 from psrl.tokenizer import Tokenizer, build_tiny_tokenizer
 
 HELLO = [{"role": "user", "content": "Hello"}]

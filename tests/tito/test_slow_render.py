@@ -75,7 +75,7 @@ def router_app(replica: Proc, held: HeldRender) -> Iterator[tuple[str, RouterApp
             return False
 
     try:
-        wait_for(ready, timeout_s=60, poll_s=0.1)
+        wait_for(ready, "the router sees its replica", timeout_s=60, poll_s=0.1)
         yield url, router
     finally:
         held.release.set()
@@ -133,7 +133,7 @@ def test_renders_holding_every_render_thread_leave_other_sessions_calls_alone(
     assert _turn(url, done, "Hello").status_code == 200
     busy = [httpx.post(f"{url}/tito/sessions").json()["session_id"] for _ in range(RENDER_THREADS)]
     turns = [_background(lambda sid=sid: _turn(url, sid, f"{HOLD} in {sid}")) for sid in busy]
-    wait_for(lambda: held.holding == RENDER_THREADS, timeout_s=60, poll_s=0.05)
+    wait_for(lambda: held.holding == RENDER_THREADS, "every render thread held", timeout_s=60, poll_s=0.05)
     try:
         # Every render thread is held: snapshots, creations and deletions of other sessions still answer.
         snap = httpx.get(f"{url}/tito/sessions/{done}", timeout=LIVE_S)
@@ -166,10 +166,14 @@ def test_a_client_that_leaves_while_its_turn_renders_leaves_nothing_pending(
     finally:
         sock.close()
     # The router cancels the request; the turn it was preparing runs on in its thread until released.
-    wait_for(lambda: router.tito.orphaned_calls == 1, timeout_s=60)
+    wait_for(lambda: router.tito.orphaned_calls == 1, "the prepare outlives its cancelled request", timeout_s=60)
     held.release.set()
     # Once prepared, the orphaned turn is abandoned: nothing recorded, nothing left pending.
-    wait_for(lambda: httpx.get(f"{url}/tito/sessions/{sid}").json()["trajectories"] == [], timeout_s=60)
+    wait_for(
+        lambda: httpx.get(f"{url}/tito/sessions/{sid}").json()["trajectories"] == [],
+        "the orphaned turn abandoned",
+        timeout_s=60,
+    )
     r = _turn(url, sid, "Hello again.")
     assert r.status_code == 200, r.text
     [trajectory] = httpx.get(f"{url}/tito/sessions/{sid}").json()["trajectories"]

@@ -1,4 +1,4 @@
-"""psrl.tito.build_training_arrays against COMPAT section 6 (`build_training_data` steps 1-8)."""
+"""psrl.tito.build_training_arrays against PSRL's `build_training_data` (its steps 1-8)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from psrl.tito import TrainingDataError, build_all_training_arrays, build_training_arrays
+from psrl.tito import TrainingDataError, TrimTooLarge, build_all_training_arrays, build_training_arrays
 
 PROMPT = [1, 2, 3]
 
@@ -132,6 +132,20 @@ def test_trim_overflow_is_clamped_with_a_warning(caplog: pytest.LogCaptureFixtur
     # Only one token trimmed: 98 stays, and the cursor moves past it (acc[6:8] = [51, 20] are env).
     assert arrays.response_ids.tolist() == [10, 11, 98, 51, 20, 12]
     assert arrays.response_mask.tolist() == [1, 1, 1, 0, 0, 1]
+
+
+def test_strict_raises_on_a_trim_over_the_limit(caplog: pytest.LogCaptureFixture) -> None:
+    snap = snapshot(two_turns([10, 11, 98, 99], [10, 11, 50, 51, 20], [12]), max_trim_tokens=1)
+    with caplog.at_level(logging.WARNING, logger="psrl.tito.training"):
+        with pytest.raises(TrimTooLarge, match=r"turn 0: 2 output tokens .* max_trim_tokens=1"):
+            build_training_arrays(snap, strict=True)
+        with pytest.raises(TrainingDataError):
+            build_all_training_arrays(snap, strict=True)
+    assert not caplog.records  # raised instead of warning
+    # Within the limit, strict builds what the default builds.
+    lenient = build_training_arrays(snap, max_trim_tokens=2)
+    strict = build_training_arrays(snap, max_trim_tokens=2, strict=True)
+    assert strict.response_ids.tolist() == lenient.response_ids.tolist() == [10, 11, 50, 51, 20, 12]
 
 
 def test_max_trim_tokens_defaults_to_snapshot_and_can_be_overridden(caplog: pytest.LogCaptureFixture) -> None:
