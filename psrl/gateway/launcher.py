@@ -4,85 +4,20 @@ configured, replicas of its own: the embedded default (two reference replicas, o
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import logging
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import yaml
 
+from psrl.gateway.config import GatewayConfig, parse_args
 from psrl.gateway.processes import first_free_port, spawn_module, stop_processes
-from psrl.replica_auth import ROUTER_API_KEY_ENV, TOKEN_FILE_FLAG, load_replica_token
+from psrl.replica_auth import ROUTER_API_KEY_ENV, TOKEN_FILE_FLAG
 
 logger = logging.getLogger("psrl.gateway")
-REPLICA_ENGINES = ("reference", "vllm")
-
-
-@dataclass
-class GatewayConfig:
-    host: str = "127.0.0.1"
-    router_port_start: int = 8100
-    session_port_start: int = 8200
-    enable_session_router: bool = True
-    worker_urls: list[str] = field(default_factory=list)
-    policy: str = "round_robin"
-    tokenizer_path: str | None = None
-    api_key: str | None = None
-    admin_api_key: str | None = None
-    # The replicas' shared gRPC token, given to the router and to the replicas started here (psrl.replica_auth);
-    # without it they use $PSRL_REPLICA_TOKEN, which they inherit from the gateway.
-    replica_token_file: str | None = None
-    # As PSRL launches it: the routing loop on, the psrl selector (the router's default), and an optional
-    # PSManager ("" disables selection stage 4).
-    enable_routing_loop: bool = True
-    psrl_ps_manager_addr: str = ""
-    router_args: list[str] = field(default_factory=list)  # extra `python -m psrl.router` flags, passed as given
-    # Replicas of the gateway's own, started only when worker_urls is empty.
-    replica_engine: str = "reference"  # or "vllm" (python -m psrl.worker --engine vllm)
-    embedded_model: str | None = None  # a model folder; default: the tiny one built locally (reference only)
-    embedded_dp_sizes: list[int] | None = None  # one replica per entry; default: [1, 2] reference, [1] vLLM
-    replica_engine_args: list[str] = field(default_factory=list)  # vLLM engine arguments for each vLLM replica
-    kv_transfer_enable: bool = False  # KV migration on loop-backs (the router's --kv-transfer-enable)
-    embedded_seed: int = 0
-    embedded_torch_threads: int = 1
-    startup_timeout_s: float = 180.0
-    log_dir: str | None = None
-
-    def validate(self) -> None:
-        if not self.worker_urls and not self.replica_dp_sizes:
-            raise ValueError("no worker_urls and no embedded replicas: nothing to route to")
-        if any(d < 1 for d in self.replica_dp_sizes):
-            raise ValueError("embedded_dp_sizes must all be >= 1")
-        if self.replica_engine not in REPLICA_ENGINES:
-            raise ValueError(f"replica_engine must be one of {REPLICA_ENGINES}")
-        if self.replica_engine == "vllm" and not self.worker_urls and not self.embedded_model:
-            raise ValueError("vLLM replicas need a model folder (--model DIR)")
-        if self.replica_engine_args and self.replica_engine != "vllm":
-            raise ValueError("replica_engine_args are vLLM engine arguments; they need replica_engine vllm")
-        load_replica_token(self.replica_token_file)  # an unreadable or empty file fails here, not in a child
-
-    @property
-    def replica_dp_sizes(self) -> list[int]:
-        if self.embedded_dp_sizes is not None:
-            return self.embedded_dp_sizes
-        return [1, 2] if self.replica_engine == "reference" else [1]
-
-    @classmethod
-    def from_yaml(cls, path: str | Path) -> GatewayConfig:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: the top level must be a mapping")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"{path}: unknown keys {unknown}; known: {sorted(known)}")
-        return cls(**data)
 
 
 class RolloutGateway:
@@ -250,49 +185,6 @@ messages=[{{'role': 'user', 'content': 'Hello!'}}]).choices[0].message.content)"
 
 Ctrl-C stops the gateway and every process it started.
 """
-
-
-def parse_args(argv: list[str] | None = None) -> GatewayConfig:
-    p = argparse.ArgumentParser(prog="python -m psrl.gateway", description=__doc__)
-    p.add_argument("--config", help="YAML file with GatewayConfig keys (flags override it)")
-    p.add_argument("--host")
-    p.add_argument("--router-port-start", type=int)
-    p.add_argument("--session-port-start", type=int)
-    p.add_argument("--enable-session-router", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--worker-urls", nargs="*")
-    p.add_argument("--policy")
-    p.add_argument("--tokenizer-path")
-    p.add_argument("--api-key")
-    p.add_argument("--admin-api-key")
-    p.add_argument(
-        TOKEN_FILE_FLAG,
-        dest="replica_token_file",
-        help="file with the replicas' shared gRPC token, for the router and the replicas (default $PSRL_REPLICA_TOKEN)",
-    )
-    p.add_argument("--replica-engine", choices=REPLICA_ENGINES, help="the engine of the replicas started here")
-    p.add_argument("--model", "--embedded-model", dest="embedded_model", help="model folder of those replicas")
-    p.add_argument("--embedded-dp-sizes", type=int, nargs="+", help="one replica per entry, with that dp_size")
-    p.add_argument("--replicas", type=int, help="N replicas of dp_size 1 (instead of --embedded-dp-sizes)")
-    p.add_argument("--kv-transfer-enable", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument(
-        "--replica-engine-args", nargs=argparse.REMAINDER, help="everything after it goes to each vLLM replica"
-    )
-    p.add_argument("--log-dir")
-    p.add_argument("--enable-routing-loop", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--psrl-ps-manager-addr")
-    p.add_argument("--router-args", nargs=argparse.REMAINDER, help="everything after it goes to the router")
-    ns = vars(p.parse_args(argv))
-    config_path = ns.pop("config")
-    replicas = ns.pop("replicas")
-    if replicas is not None:
-        if replicas < 1:
-            p.error("--replicas must be >= 1")
-        ns["embedded_dp_sizes"] = [1] * replicas
-    cfg = GatewayConfig.from_yaml(config_path) if config_path else GatewayConfig()
-    overrides = {k: v for k, v in ns.items() if v is not None}
-    cfg = dataclasses.replace(cfg, **overrides)
-    cfg.validate()
-    return cfg
 
 
 def main(argv: list[str] | None = None) -> None:

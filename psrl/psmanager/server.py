@@ -7,13 +7,11 @@ with the error's message.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -21,8 +19,9 @@ import grpc
 from psrl._proto import psrl_manager_pb2 as pb
 from psrl._proto import psrl_manager_pb2_grpc as pb_grpc
 from psrl.grpc_decode import RequestDecodeInterceptor
+from psrl.psmanager.config import ServerArgs, parse_args
 from psrl.psmanager.errors import InvalidArgument, UnknownBuffer
-from psrl.psmanager.state import InstanceKey, PSManagerConfig, PSManagerState
+from psrl.psmanager.state import InstanceKey, PSManagerState
 
 logger = logging.getLogger("psrl.psmanager")
 T = TypeVar("T")
@@ -235,60 +234,6 @@ def build_server(state: PSManagerState) -> grpc.aio.Server:
     pb_grpc.add_PSManagerStateServicer_to_server(StateServicer(state), server)
     pb_grpc.add_PSManagerAdminServicer_to_server(AdminServicer(state), server)
     return server
-
-
-# ---- CLI ------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ServerArgs:
-    host: str = "127.0.0.1"
-    port: int = 0
-    rollout_n: int = 1
-    entries_per_buffer: int = 64
-    max_pending_buffers: int = 2
-    max_staleness: int = 1
-    log_level: str = "INFO"
-
-    def config(self) -> PSManagerConfig:
-        return PSManagerConfig(
-            rollout_n=self.rollout_n,
-            entries_per_buffer=self.entries_per_buffer,
-            max_pending_buffers=self.max_pending_buffers,
-            max_staleness=self.max_staleness,
-        )
-
-    def validate(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError("--port must be in [0, 65535]")
-        self.config().validate()
-
-
-def parse_args(argv: list[str] | None = None) -> ServerArgs:
-    p = argparse.ArgumentParser(
-        prog="python -m psrl.psmanager", description="PSRL's PSManager (psrl.state.PSManagerState) over gRPC"
-    )
-    d = ServerArgs()
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port, help=f"0 picks a free port (printed as {READY_PREFIX})")
-    p.add_argument("--rollout-n", type=int, default=d.rollout_n, help="requests per prompt group")
-    p.add_argument("--entries-per-buffer", type=int, default=d.entries_per_buffer, help="prompt groups per buffer")
-    p.add_argument(
-        "--max-pending-buffers", type=int, default=d.max_pending_buffers, help="unconsumed buffers per version"
-    )
-    p.add_argument(
-        "--max-staleness",
-        type=int,
-        default=d.max_staleness,
-        help="versions older than latest - this take no new entries",
-    )
-    p.add_argument("--log-level", default=d.log_level)
-    args = ServerArgs(**vars(p.parse_args(argv)))
-    try:
-        args.validate()
-    except ValueError as e:
-        p.error(str(e))
-    return args
 
 
 async def serve(args: ServerArgs) -> None:

@@ -10,6 +10,7 @@ from datetime import datetime
 
 import grpc
 
+from psrl.router.config import ConnectionMode
 from psrl.router.http_backend import HttpWorkers
 from psrl.router.policies.kv_index import KvEventIndex
 from psrl.router.registry import SchedulerStats, Worker, WorkerRegistry
@@ -40,7 +41,7 @@ class BackgroundLoops:
         health_timeout_s: float,
         load_poll_interval_s: float,
         kv_index: KvEventIndex | None,
-        evict: Callable[[float], None] | None,
+        evict: Callable[[float], object],
     ) -> None:
         self._registry = registry
         self._clients = clients
@@ -57,13 +58,11 @@ class BackgroundLoops:
         self._tasks.append(asyncio.create_task(_every(self._health_interval_s, self.check_health)))
         if self._load_poll_interval_s > 0:
             self._tasks.append(asyncio.create_task(_every(self._load_poll_interval_s, self.poll_loads)))
-        if self._evict is not None:
-            evict = self._evict
 
-            async def _evict_round() -> None:
-                evict(time.monotonic())
+        async def _evict_round() -> None:
+            self._evict(time.monotonic())
 
-            self._tasks.append(asyncio.create_task(_every(5.0, _evict_round)))
+        self._tasks.append(asyncio.create_task(_every(5.0, _evict_round)))
 
     async def stop(self) -> None:
         tasks = [*self._tasks, *self._subscriptions.values()]
@@ -76,7 +75,7 @@ class BackgroundLoops:
     # ---- health ---------------------------------------------------------------------------------------
 
     async def _probe(self, worker: Worker) -> bool:
-        if worker.connection_mode == "http":
+        if worker.connection_mode is ConnectionMode.HTTP:
             return await self._http.is_healthy(worker, self._health_timeout_s)
         return await self._clients.is_healthy(worker, self._health_timeout_s)
 
@@ -95,7 +94,7 @@ class BackgroundLoops:
     # ---- loads ----------------------------------------------------------------------------------------
 
     async def poll_loads(self) -> None:
-        workers = [w for w in self._registry.workers() if w.connection_mode == "grpc" and w.healthy]
+        workers = [w for w in self._registry.workers() if w.connection_mode is ConnectionMode.GRPC and w.healthy]
         replies = await asyncio.gather(
             *(self._clients.loads(w, self._health_timeout_s) for w in workers), return_exceptions=True
         )
@@ -121,7 +120,7 @@ class BackgroundLoops:
 
     def watch_worker(self, worker: Worker) -> None:
         """Subscribe to a gRPC worker's KV events (cache_aware_v1); resubscribes after failures."""
-        if self._kv_index is None or worker.connection_mode != "grpc":
+        if self._kv_index is None or worker.connection_mode is not ConnectionMode.GRPC:
             return
         self.forget_worker(worker.worker_id)
         self._subscriptions[worker.worker_id] = asyncio.create_task(self._subscribe(worker))

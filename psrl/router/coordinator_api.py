@@ -1,4 +1,4 @@
-"""The coordinator's endpoints on the registry (COMPAT section 1): stats pushes, weight versions, pause/resume.
+"""The coordinator's endpoints on the registry (docs/compat.md section 6): stats pushes, weight versions, pause/resume.
 
 Pure functions from a parsed body to the response body SMG sends, so the shapes are tested without a server.
 """

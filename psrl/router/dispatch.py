@@ -7,9 +7,10 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from psrl.psmanager.errors import PSManagerError
+from psrl.router.config import ConnectionMode, KvTransferConfig
 from psrl.router.errors import (
     BadRequest,
     RequestAborted,
@@ -23,7 +24,7 @@ from psrl.router.metadata import RoutingMeta
 from psrl.router.metrics import RouterMetrics
 from psrl.router.pipeline.context import Generation, GenerationInput
 from psrl.router.pipeline.execute import Delta, WorkerCall
-from psrl.router.pipeline.partial_rollout import RolloutState, classify
+from psrl.router.pipeline.partial_rollout import RolloutState, SegmentEnd, classify
 from psrl.router.pipeline.prepare import check_prompt
 from psrl.router.pipeline.stops import StopAcrossLoopBack
 from psrl.router.policies.base import SelectionRequest
@@ -43,28 +44,6 @@ START_ATTEMPTS = 3  # placements a PSRL request gets when its replica fails befo
 
 
 LOOPBACK_WAIT_S = 300.0
-KV_TRANSFER_MODES = ("async", "sync", "pin_sync")
-
-
-@dataclass
-class KvTransferConfig:
-    """PSRL's `routing_strategy.kv_transfer`: a looped-back request tells its new instance where its KV is.
-
-    `sync` and `pin_sync`: the replica pulls the KV before it queues the request; `async`: the request waits in
-    the replica's queue while the KV is pulled. `pin_sync` takes only the KV the source pinned at the abort;
-    the others also accept the source's prefix cache. A transfer not done in `transfer_timeout_ms` is dropped
-    and the request prefilled instead.
-    """
-
-    enable: bool = False
-    transfer_mode: str = "async"
-    transfer_timeout_ms: int = 5000
-
-    def validate(self) -> None:
-        if self.transfer_mode not in KV_TRANSFER_MODES:
-            raise ValueError(f"kv_transfer.transfer_mode must be one of {KV_TRANSFER_MODES}")
-        if self.transfer_timeout_ms <= 0:
-            raise ValueError("kv_transfer.transfer_timeout_ms must be > 0")
 
 
 class PartialRolloutExhausted(RouterError):
@@ -108,7 +87,7 @@ class Dispatcher:
             return ""
         iid, source_request_id = source
         worker = self.registry.get(iid.base_worker_id)
-        if worker is None or worker.connection_mode != "grpc":
+        if worker is None or worker.connection_mode is not ConnectionMode.GRPC:
             return ""
         c = self.kv_transfer
         return json.dumps(
@@ -123,7 +102,7 @@ class Dispatcher:
 
     def instances(self, model: str, grpc_only: bool) -> list[InstanceState]:
         instances = self.registry.instances_of(model)
-        return [i for i in instances if i.worker.connection_mode == "grpc"] if grpc_only else instances
+        return [i for i in instances if i.worker.connection_mode is ConnectionMode.GRPC] if grpc_only else instances
 
     async def acquire(
         self, model: str, meta: RoutingMeta, request: SelectionRequest, *, grpc_only: bool = False
@@ -136,22 +115,17 @@ class Dispatcher:
             # the loop re-reads the instances at each attempt: the fleet changes while a request waits
             return await self.loop.acquire(meta, request, lambda: self.instances(model, grpc_only))
         try:
-            selection = await self.selector.select(instances, meta, request)
+            resolved = await self.selector.resolve(instances, meta)
         except PSManagerError as e:
             raise WorkerUnavailable(f"the PSManager is unavailable: {e}") from e
-        self.metrics.selected(selection.stage, selection.instance is not None)
+        selection = self.selector.select(resolved, request)
+        self.metrics.selected(selection.step, selection.instance is not None)
         if selection.instance is None:
             raise WorkerUnavailable(selection.reason)
-        ticket = self.selector.commit(selection.instance, meta, request)
-        if meta.has_psrl:
-            try:
-                await self.admission.on_commit(ticket.instance, meta, ticket.pinned_version)
-            except BaseException as e:  # also cancelled (the client left): the ticket never leaks
-                self.selector.release(ticket, success=True)
-                if isinstance(e, Exception):
-                    raise WorkerUnavailable(f"could not record the placement: {e}") from e
-                raise
-        return ticket
+        try:
+            return await self.selector.place(selection.instance, meta, request)
+        except Exception as e:  # released already; so is a cancelled one (the client left), which passes through
+            raise WorkerUnavailable(f"could not record the placement: {e}") from e
 
     def finish(self, ticket: Ticket, error: RouterError | None) -> None:
         """Release the ticket exactly once, judging the instance by how the request ended."""
@@ -273,7 +247,7 @@ class Rollout:
         """Add a choice's segment: True when the choice is finished, False when it loops back."""
         state = self.states[index]
         state.add(segment, ticket.instance.weight_version)
-        if classify(segment, state) == "loop" and self._d.partial_rollout:
+        if classify(segment, state) is SegmentEnd.LOOP_BACK and self._d.partial_rollout:
             return False
         if segment.finish_reason == "abort" and state.remaining_tokens == 0:
             segment = replace(segment, finish_reason="length")  # aborted exactly at the budget

@@ -15,6 +15,7 @@ class RouterError(Exception):
     code: str = "internal_error"  # the body's `code`, and the header's unless header_code says otherwise
     header_code: str | None = None
     error_type: str = "server_error"
+    stage: str | None = None  # the pipeline stage the request failed in (set by the pipeline runner)
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -47,7 +48,7 @@ class BadRequest(RouterError):
 
 class PromptOverflow(BadRequest):
     """The prompt (with max_tokens) does not fit the context. Two readers: client libraries (openai, litellm)
-    classify a context-window error by the body's OpenAI code; PSRL reads the header (COMPAT section 1)."""
+    classify a context-window error by the body's OpenAI code; PSRL reads the header (docs/compat.md section 4)."""
 
     code = "context_length_exceeded"
     header_code = "prompt_overflow"

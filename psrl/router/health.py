@@ -5,19 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-
-@dataclass
-class HealthConfig:
-    failure_threshold: int = 3  # consecutive failed checks before a healthy worker is marked unhealthy
-    success_threshold: int = 2  # consecutive passed checks before an unhealthy worker is healthy again
-    interval_s: float = 2.0
-    timeout_s: float = 2.0
-
-    def validate(self) -> None:
-        if self.failure_threshold < 1 or self.success_threshold < 1:
-            raise ValueError("health thresholds must be >= 1")
-        if self.interval_s <= 0 or self.timeout_s <= 0:
-            raise ValueError("health check interval and timeout must be positive")
+from psrl.router.config import BreakerConfig, HealthConfig
 
 
 @dataclass
@@ -48,17 +36,6 @@ class HealthTracker:
         self.healthy = False
         self._successes = 0
         self._failures = self.config.failure_threshold
-
-
-@dataclass
-class BreakerConfig:
-    failure_threshold: int = 5  # consecutive failed requests on an instance that open its breaker
-    success_threshold: int = 1  # successful trial requests in half-open that close it
-    open_duration_s: float = 10.0
-
-    def validate(self) -> None:
-        if self.failure_threshold < 1 or self.success_threshold < 1 or self.open_duration_s <= 0:
-            raise ValueError("circuit breaker thresholds must be >= 1 and its open duration positive")
 
 
 class BreakerState(enum.Enum):

@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 
-from psrl.router.errors import RouterError, WorkerStreamFailed, WorkerTimeout, WorkerUnavailable
+from psrl.router.asgi import AnyResponse, Response, StreamingResponse
+from psrl.router.errors import RouterError, WorkerInternalError, WorkerStreamFailed, WorkerTimeout, WorkerUnavailable
 from psrl.router.http_client import HttpClient, HttpConnectionError, HttpResponse
+from psrl.router.pipeline.respond import SSE_DONE, instance_headers, sse
 from psrl.router.registry import Worker
+
+if TYPE_CHECKING:
+    from psrl.router.selector import Ticket
 
 logger = logging.getLogger(__name__)
 
@@ -92,3 +98,49 @@ class HttpWorkers:
                 raise self._error(worker, e) from e
 
         return head, relay()
+
+    async def proxy(
+        self,
+        route: str,
+        ticket: Ticket,
+        raw: bytes,
+        headers: Mapping[str, str],
+        stream: bool,
+        finish: Callable[[Ticket, RouterError | None], None],
+    ) -> AnyResponse:
+        """Forward a request as received to the ticket's HTTP worker; `finish` releases the ticket once, with the
+        error the request ended with. A failure after a stream's headers travels as its last SSE event."""
+        worker = ticket.instance.worker
+        if not stream:
+            error: RouterError | None = None
+            try:
+                up = await self.forward(worker, route, raw, headers)
+                if up.status >= 500:
+                    error = WorkerInternalError(f"worker {worker.worker_id} answered {up.status}")
+            except RouterError as e:
+                error = e
+                raise
+            finally:
+                finish(ticket, error)
+            ctype = up.headers.get("content-type", "application/json")
+            return Response(up.body, status_code=up.status, media_type=ctype, headers=instance_headers(ticket))
+        try:
+            head, chunks = await self.stream(worker, route, raw, headers)
+        except RouterError as e:
+            finish(ticket, e)
+            raise
+
+        async def relay() -> AsyncIterator[bytes]:
+            failed: RouterError | None = None
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            except RouterError as e:
+                failed = e
+                yield sse(e.body())
+                yield SSE_DONE
+            finally:
+                finish(ticket, failed)
+
+        ctype = head.headers.get("content-type", "text/event-stream")
+        return StreamingResponse(relay(), status_code=head.status, media_type=ctype, headers=instance_headers(ticket))

@@ -1,4 +1,4 @@
-"""PSRL routing metadata from request headers (COMPAT section 2). Pure; a bad value is a BadRequest."""
+"""PSRL routing metadata from request headers (docs/compat.md section 2). Pure; a bad value is a BadRequest."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class RoutingMeta:
 
     @property
     def pinned(self) -> bool:
-        """Hard-pin to the hint (stage 2) rather than using it only as a KV-transfer source."""
+        """Hard-pin to the hint (selection step 2) rather than using it only as a KV-transfer source."""
         return self.hint is not None and (self.is_sticky or self.force_pin_once)
 
 

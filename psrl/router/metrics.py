@@ -117,7 +117,7 @@ class RouterMetrics:
         )
         self.selections = Counter(
             "psrl_router_selections",
-            "selection outcomes by deciding stage",
+            "selection outcomes by the selection step that decided (label `stage`)",
             ["stage", "outcome"],
             registry=self.registry,
         )

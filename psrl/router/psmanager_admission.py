@@ -1,4 +1,4 @@
-"""Selection stage 4 and the commit/dispatch checks backed by the PSManager (COMPAT section 3, selector use).
+"""The selector's admission step and the commit/dispatch checks, backed by the PSManager (docs/routing.md).
 
 - admit: for an unversioned request (version_tag -1), CanReserve over the candidates' distinct synced
   versions; only candidates whose version can take the request stay.

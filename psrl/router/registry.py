@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
-from psrl.router.health import BreakerConfig, CircuitBreaker, HealthConfig, HealthTracker
+from psrl.router.config import BreakerConfig, ConnectionMode, HealthConfig
+from psrl.router.health import CircuitBreaker, HealthTracker
 
 
 class InstanceId(NamedTuple):
@@ -99,7 +100,7 @@ class Worker:
     labels: dict[str, str]
     health: HealthTracker
     dp_size: int = 1
-    connection_mode: str = "grpc"
+    connection_mode: ConnectionMode = ConnectionMode.GRPC
     max_context_length: int = 0
     kv_block_size: int = 0
     label_weight_version: int = 0
@@ -163,7 +164,7 @@ class WorkerRegistry:
         models: list[str],
         labels: dict[str, str],
         dp_size: int = 1,
-        connection_mode: str = "grpc",
+        connection_mode: str = ConnectionMode.GRPC,
         max_context_length: int = 0,
         kv_block_size: int = 0,
         label_weight_version: int = 0,
@@ -176,7 +177,7 @@ class WorkerRegistry:
             labels=labels,
             health=HealthTracker(self.health_config),
             dp_size=dp_size,
-            connection_mode=connection_mode,
+            connection_mode=ConnectionMode(connection_mode),
             max_context_length=max_context_length,
             kv_block_size=kv_block_size,
             label_weight_version=label_weight_version,

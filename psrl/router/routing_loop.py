@@ -5,7 +5,7 @@ cannot (its version is not synced anywhere yet, its pinned instance is full) kee
 first again on the next pass, so it neither holds back the entries behind it nor loses its turn to them. An
 entry whose caller went away (cancelled, e.g. the client disconnected) leaves the queue at once.
 
-Pause/resume works by epochs (COMPAT section 5). A selection holds a decision permit stamped with the epoch it
+Pause/resume works by epochs (docs/compat.md section 7). A selection holds a decision permit stamped with the epoch it
 started in; commit and dispatch need a hand-off permit for the same, unpaused epoch, otherwise the selection is
 dropped and the request re-enqueued (never dispatched). `pause(wait=True)` returns once no decision or
 hand-off of the old epoch is active, so after it no new Generate reaches a replica until `resume()`.
@@ -19,40 +19,21 @@ import asyncio
 import heapq
 import itertools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from psrl.router.config import RequestSortIndicator, RoutingLoopConfig
 from psrl.router.errors import RouterError
 from psrl.router.metadata import RoutingMeta
 from psrl.router.policies.base import SelectionRequest
 from psrl.router.registry import InstanceState
-from psrl.router.selector import Selection, Selector, Ticket
+from psrl.router.selector import Selector, Ticket
 
 logger = logging.getLogger(__name__)
 
-SORT_INDICATORS = ("small_id", "short_length", "long_length")
 _LAST = 2**63 - 1  # unversioned requests sort after every version
 _PARTITION_UNVERSIONED = 2**31 - 1
-
-
-@dataclass
-class RoutingLoopConfig:
-    enable_routing_loop: bool = False
-    dispatch_batch_size: int = 1
-    max_running_dispatch_tasks: int = 4096
-    request_sort_indicator: str = "small_id"
-    enable_multi_priority_queue: bool = False
-    check_interval_ms: int = 10  # how long the loop rests when a pass could place nothing
-    max_attempts_per_pass: int = 256  # entries a pass tries that cannot be placed, before it rests
-
-    def validate(self) -> None:
-        if self.request_sort_indicator not in SORT_INDICATORS:
-            raise ValueError(f"request_sort_indicator must be one of {SORT_INDICATORS}")
-        if self.dispatch_batch_size < 1 or self.max_running_dispatch_tasks < 1:
-            raise ValueError("dispatch_batch_size and max_running_dispatch_tasks must be >= 1")
-        if self.check_interval_ms < 1 or self.max_attempts_per_pass < 1:
-            raise ValueError("check_interval_ms and max_attempts_per_pass must be >= 1")
 
 
 # ---- the queue (pure) -------------------------------------------------------------------------------------
@@ -74,11 +55,11 @@ class QueueEntry:
 
 def priority_key(meta: RoutingMeta, prompt_len: int, indicator: str) -> tuple:
     """(validation first, version ascending with -1 last, the sort indicator); FIFO breaks ties (seq)."""
-    if indicator == "small_id":
+    if indicator == RequestSortIndicator.SMALL_ID:
         third = meta.request_id if meta.request_id is not None else _LAST
-    elif indicator == "short_length":
+    elif indicator == RequestSortIndicator.SHORT_LENGTH:
         third = prompt_len
-    else:
+    else:  # long_length
         third = -prompt_len
     return (0 if meta.is_validate else 1, meta.version_tag if meta.version_tag >= 0 else _LAST, third)
 
@@ -150,21 +131,16 @@ class RequestQueue:
 # ---- the loop ---------------------------------------------------------------------------------------------
 
 
-CommitHook = Callable[[Ticket], Awaitable[None]]
-
-
 class RoutingLoop:
     def __init__(
         self,
         config: RoutingLoopConfig,
         selector: Selector,
-        on_commit: CommitHook | None = None,
         on_queue_length: Callable[[int], None] | None = None,
     ) -> None:
         config.validate()
         self.config = config
         self._selector = selector
-        self._on_commit = on_commit
         self._on_queue_length = on_queue_length
         self._queue = RequestQueue(config.request_sort_indicator, config.enable_multi_priority_queue)
         self.paused = False
@@ -315,6 +291,10 @@ class RoutingLoop:
         if not self._decisions and not self._handoffs:
             self._idle.set()
 
+    def _end_handoff(self) -> None:
+        self._handoffs -= 1
+        self._settle()
+
     async def _run(self) -> None:
         while True:
             await self._wake.wait()
@@ -365,42 +345,44 @@ class RoutingLoop:
         epoch = self.epoch
         self._decisions += 1
         try:
-            selection: Selection = await self._selector.select(entry.instances(), entry.meta, entry.request)
+            resolved = await self._selector.resolve(entry.instances(), entry.meta)
         except RouterError as e:  # a verdict on the request itself (e.g. aborted): answer it
             if not entry.future.done():
                 entry.future.set_exception(e)
             return False
         except Exception:  # e.g. the PSManager is unreachable: the request waits, nothing is lost
             logger.warning("selection of request %s failed; it stays queued", entry.request.request_id, exc_info=True)
-            selection = Selection(None, "error")
+            return False
         finally:
             self._decisions -= 1
             self._settle()
-        if selection.instance is None or self.paused or epoch != self.epoch or entry.future.done():
+
+        def current() -> bool:
+            return not self.paused and epoch == self.epoch and not entry.future.done()
+
+        selection = self._selector.select(resolved, entry.request)
+        if selection.instance is None or not current():
             return False
         self._handoffs += 1
-        ticket = self._selector.commit(selection.instance, entry.meta, entry.request)
         try:
-            if self._on_commit is not None:
-                await self._on_commit(ticket)
-        except Exception:
+            ticket = await self._selector.place(selection.instance, entry.meta, entry.request)
+        except Exception:  # the placement was not recorded (released already): the request stays queued
+            self._end_handoff()
             logger.warning("commit of request %s failed; it stays queued", entry.request.request_id, exc_info=True)
-            self._selector.release(ticket, success=True)
-            self._handoffs -= 1
-            self._settle()
             return False
-        if self.paused or epoch != self.epoch or entry.future.done():
+        except BaseException:  # cancelled: the loop is stopping
+            self._end_handoff()
+            raise
+        if not current():
             self._selector.release(ticket, success=True)
-            self._handoffs -= 1
-            self._settle()
+            self._end_handoff()
             return False
         self.running += 1
 
         def release_handoff() -> None:
             if ticket.release_handoff is not None:
                 ticket.release_handoff = None
-                self._handoffs -= 1
-                self._settle()
+                self._end_handoff()
 
         ticket.release_handoff = release_handoff
         ticket.routed = True

@@ -1,14 +1,18 @@
-"""Instance selection: PSRL's five stages as small pure functions, and the Selector that runs them in order.
+"""Instance selection: PSRL's five steps as small pure functions, and the Selector that runs them in order.
 
   1. available   drop unhealthy, paused, breaker-open instances and those below the request's version floor
-  2. hint        a sticky / force-pin-once hint hard-pins when the hinted instance survived stage 1
+  2. hint        a sticky / force-pin-once hint hard-pins when the hinted instance survived step 1
   3. group       a prompt group stays on the instance its first request was placed on (write-once pin)
   4. admission   an admission hook (the PSManager) filters; candidates are sorted and grouped by
                  `candidate_sort_indicator`; the admission gate caps concurrent sequences per instance
   5. policy      the configured policy picks within the best group that passed the gate
 
-With `worker_selection_strategy != "psrl"`, or for a request without PSRL metadata, stage 1 (availability
+With `worker_selection_strategy != "psrl"`, or for a request without PSRL metadata, step 1 (availability
 only) and the policy run alone.
+
+The admission hook's data is remote: `Selector.resolve` runs step 1 and, only when steps 2 and 3 leave the
+choice open, fetches that data; `Selector.select` then runs steps 2 to 5 without waiting, so a selection never
+suspends midway. `Selector.place` commits the choice and records it with the hook.
 """
 
 from __future__ import annotations
@@ -19,33 +23,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from psrl.router.config import CandidateSortIndicator, SelectionStrategy, SelectorConfig
 from psrl.router.metadata import RoutingMeta
 from psrl.router.policies.base import Policy, SelectionRequest
 from psrl.router.registry import InstanceId, InstanceState
 
-SORT_INDICATORS = ("version", "reserve_capability")
-STRATEGIES = ("psrl", "policy")
-
-
-@dataclass
-class SelectorConfig:
-    worker_selection_strategy: str = "psrl"
-    candidate_sort_indicator: str = "version"
-    enable_group_sticky: bool = False
-    max_concurrent_seqs_per_instance: int = 1024
-    admission_reject_on_waiting: bool = False
-
-    def validate(self) -> None:
-        if self.worker_selection_strategy not in STRATEGIES:
-            raise ValueError(f"worker_selection_strategy must be one of {STRATEGIES}")
-        if self.candidate_sort_indicator not in SORT_INDICATORS:
-            raise ValueError(f"candidate_sort_indicator must be one of {SORT_INDICATORS}")
-        if self.max_concurrent_seqs_per_instance < 1:
-            raise ValueError("max_concurrent_seqs_per_instance must be >= 1")
-
 
 class AdmissionHook(Protocol):
-    """Stage 4's seam and the commit/dispatch checks. The PSManager implements it; the default admits all."""
+    """The admission step's seam and the commit/dispatch checks. The PSManager implements it; the default
+    admits all."""
 
     async def admit(self, candidates: Sequence[InstanceState], meta: RoutingMeta) -> list[InstanceState]:
         """The candidates whose version can admit/reserve this request."""
@@ -78,15 +64,15 @@ class PassThroughAdmission:
         return False
 
 
-# ---- the stages (pure) -----------------------------------------------------------------------------------
+# ---- the steps (pure) ------------------------------------------------------------------------------------
 
 
-def stage_available(instances: Sequence[InstanceState], meta: RoutingMeta, now: float) -> list[InstanceState]:
+def step_available(instances: Sequence[InstanceState], meta: RoutingMeta, now: float) -> list[InstanceState]:
     floor = meta.version_tag
     return [i for i in instances if i.available(now) and (floor < 0 or i.weight_version >= floor)]
 
 
-def stage_hint(candidates: list[InstanceState], meta: RoutingMeta) -> list[InstanceState] | None:
+def step_hint(candidates: list[InstanceState], meta: RoutingMeta) -> list[InstanceState] | None:
     """The single hinted instance when the request is sticky/force-pinned and it survived; else None."""
     if not meta.pinned:
         return None
@@ -94,7 +80,7 @@ def stage_hint(candidates: list[InstanceState], meta: RoutingMeta) -> list[Insta
     return hinted or None
 
 
-def stage_group(candidates: list[InstanceState], meta: RoutingMeta, pins: GroupPins) -> list[InstanceState] | None:
+def step_group(candidates: list[InstanceState], meta: RoutingMeta, pins: GroupPins) -> list[InstanceState] | None:
     if meta.prompt_id is None:
         return None
     pinned = pins.get(meta.prompt_id)
@@ -162,10 +148,21 @@ class GroupPins:
 # ---- the selector -----------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Resolved:
+    """A selection's inputs once the remote data is in: the candidates step 1 left and, when steps 2 and 3
+    leave the choice open, those the admission hook admitted and their indicators."""
+
+    meta: RoutingMeta
+    candidates: list[InstanceState]
+    admitted: list[InstanceState] | None = None  # None: not fetched (steps 1 to 3 decide)
+    indicators: list[float] | None = None
+
+
 @dataclass
 class Selection:
     instance: InstanceState | None
-    stage: str  # which stage decided (or why nothing was chosen): for metrics and logs
+    step: str  # which step decided (or why nothing was chosen): for metrics and logs
     reason: str = ""
 
 
@@ -191,33 +188,46 @@ class Selector:
         self.group_pins = GroupPins()
 
     def _psrl(self, meta: RoutingMeta) -> bool:
-        return self.config.worker_selection_strategy == "psrl" and meta.has_psrl
+        return self.config.worker_selection_strategy == SelectionStrategy.PSRL and meta.has_psrl
 
-    async def select(
-        self, instances: Sequence[InstanceState], meta: RoutingMeta, request: SelectionRequest
-    ) -> Selection:
-        candidates = stage_available(instances, meta, time.monotonic())
+    def _pinned(self, candidates: list[InstanceState], meta: RoutingMeta) -> Selection | None:
+        """Steps 2 and 3: the hinted or group-pinned candidate, when one decides."""
+        pinned = step_hint(candidates, meta)
+        if pinned is not None:
+            return Selection(pinned[0], "hint")
+        if self.config.enable_group_sticky:
+            grouped = step_group(candidates, meta, self.group_pins)
+            if grouped is not None:
+                return Selection(grouped[0], "group")
+        return None
+
+    async def resolve(self, instances: Sequence[InstanceState], meta: RoutingMeta) -> Resolved:
+        """Step 1, then the admission hook's data when the admission step will run (a hint or group pin
+        decides without it). The only part of a selection that waits."""
+        candidates = step_available(instances, meta, time.monotonic())
+        if not candidates or not self._psrl(meta) or self._pinned(candidates, meta) is not None:
+            return Resolved(meta, candidates)
+        admitted = await self.admission.admit(candidates, meta)
+        indicators = None
+        if admitted and self.config.candidate_sort_indicator == CandidateSortIndicator.RESERVE_CAPABILITY:
+            indicators = await self.admission.indicators(admitted, meta)
+        return Resolved(meta, candidates, admitted, indicators)
+
+    def select(self, resolved: Resolved, request: SelectionRequest) -> Selection:
+        """Steps 2 to 5 over what `resolve` returned, in one go (call it right after `resolve`)."""
+        meta, candidates = resolved.meta, resolved.candidates
         if not candidates:
             floor = f" at version >= {meta.version_tag}" if meta.version_tag >= 0 else ""
             return Selection(None, "available", f"no available instance{floor}")
         if not self._psrl(meta):
             return Selection(self.policy.select(candidates, request), "policy")
-
-        pinned = stage_hint(candidates, meta)
+        pinned = self._pinned(candidates, meta)
         if pinned is not None:
-            return Selection(pinned[0], "hint")
-        if self.config.enable_group_sticky:
-            grouped = stage_group(candidates, meta, self.group_pins)
-            if grouped is not None:
-                return Selection(grouped[0], "group")
-
-        admitted = await self.admission.admit(candidates, meta)
-        if not admitted:
+            return pinned
+        assert resolved.admitted is not None, "a pin resolve() saw is gone: select() runs right after it"
+        if not resolved.admitted:
             return Selection(None, "admission", "no instance's version can admit this request")
-        indicators = None
-        if self.config.candidate_sort_indicator == "reserve_capability":
-            indicators = await self.admission.indicators(admitted, meta)
-        for group in sort_into_groups(admitted, meta, indicators):
+        for group in sort_into_groups(resolved.admitted, meta, resolved.indicators):
             open_group = admission_gate(group, self.config)
             if open_group:
                 return Selection(self.policy.select(open_group, request), "policy")
@@ -234,6 +244,19 @@ class Selector:
         self.policy.on_dispatched(instance, request)
         pinned_version = instance.weight_version if meta.version_tag < 0 else meta.version_tag
         return Ticket(instance, meta, pinned_version, group)
+
+    async def place(self, instance: InstanceState, meta: RoutingMeta, request: SelectionRequest) -> Ticket:
+        """Commit the chosen instance and, for a PSRL request, record the placement with the admission hook.
+        Direct and routing-loop placement both place through here. If recording fails or is cancelled, the
+        ticket is released and the error raised."""
+        ticket = self.commit(instance, meta, request)
+        if meta.has_psrl:
+            try:
+                await self.admission.on_commit(instance, meta, ticket.pinned_version)
+            except BaseException:
+                self.release(ticket, success=True)
+                raise
+        return ticket
 
     def release(self, ticket: Ticket, *, success: bool) -> None:
         ticket.instance.inflight -= 1

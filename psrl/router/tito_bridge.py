@@ -10,20 +10,17 @@ import functools
 import hashlib
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
+from psrl.router.config import TitoConfig
 from psrl.router.errors import BadRequest, Conflict, NotFound, RouterError
+from psrl.router.pipeline.context import Generation, GenerationInput
 from psrl.router.pipeline.parse import ChatRequest
-from psrl.tito import (
-    InvalidTurn,
-    PreparedTurn,
-    SessionNotFound,
-    TitoError,
-    TitoStore,
-    TurnNotPrepared,
-    TurnNotRecorded,
-)
+from psrl.router.pipeline.tool_calls import ParsedOutput
+from psrl.router.registry import InstanceState
+from psrl.tito.errors import InvalidTurn, SessionNotFound, TitoError, TurnNotPrepared, TurnNotRecorded
+from psrl.tito.store import TitoStore
+from psrl.tito.tree import PreparedTurn
 from psrl.tokenizer import Tokenizer
 
 SESSION_HEADER = "x-smg-tito-session-id"
@@ -32,32 +29,6 @@ TRAJECTORY_HEADER = "x-smg-tito-trajectory-id"
 # the short store calls (records, abandons, snapshots), so that those never queue behind long renders.
 RENDER_THREADS = 8
 STORE_THREADS = 8
-
-
-@dataclass
-class TitoConfig:
-    enable_tito: bool = True
-    tito_debug: bool = False
-    # GC frees the nodes of dropped branches once a session holds more than this many (0: after every turn).
-    # It never frees a sampled turn that an exported branch holds.
-    tito_gc_threshold: int = 0
-    tito_max_sessions: int = 10000
-    tito_max_turns: int = 1000
-    # Drop the branches a history rewrite (or an agent that drops its reply) leaves behind: their sampled turns
-    # leave the snapshot, counted in psrl_router_tito_turns_not_exported_total. Off: every branch is exported.
-    tito_drop_dead_leaves: bool = False
-    max_trim_tokens: int = 0
-    # A session no request has named for this long (and with no turn in flight) expires; 0: never.
-    tito_session_ttl_s: float = 3600.0
-    # With an api_key, each bearer credential may hold this many live sessions; 0: no per-client cap.
-    tito_max_sessions_per_client: int = 0
-    # Record each turn's MoE routed experts (from replicas that record them) for routing replay in training.
-    tito_routed_experts: bool = False
-
-    def validate(self) -> None:
-        limits = (self.tito_gc_threshold, self.tito_max_sessions, self.tito_max_turns, self.max_trim_tokens)
-        if min(*limits, self.tito_max_sessions_per_client) < 0 or not self.tito_session_ttl_s >= 0:
-            raise ValueError("TITO limits (and tito_session_ttl_s) must be >= 0")
 
 
 def as_router_error(e: TitoError) -> RouterError:
@@ -214,6 +185,50 @@ class TitoBridge:
         except TitoError as e:
             raise as_router_error(e) from e
         self._instances[prepared.session_id] = instance
+
+    async def begin_turn(
+        self, turn: tuple[str, int], chat: ChatRequest, *, model: str, tokenizer: Tokenizer, request_id: str
+    ) -> tuple[PreparedTurn, GenerationInput]:
+        """A TITO turn's prompt, incrementally tokenized, and its generation: log-probs forced on (the record
+        keeps them), and with routed experts recorded, asked for from where the reused path ends (its last id was
+        never fed). The turn is pending until `finish_turn` or `abandon`."""
+        if chat.stream:
+            raise BadRequest(
+                "TITO turns are not streamed upstream; send stream=false (the SessionRouter "
+                "builds SSE from the buffered result)",
+                param="stream",
+            )
+        if chat.sampling.n > 1:
+            raise BadRequest("a TITO turn records one reply; send n=1 (one trajectory per sample)", param="n")
+        prepared = await self.prepare(turn[0], turn[1], chat, model=model, tokenizer=tokenizer)
+        if chat.sampling.logprobs is None:
+            chat.sampling.logprobs = 0
+        experts_from = max(prepared.reused_tokens - 1, 0) if self.config.tito_routed_experts else None
+        gen = GenerationInput(request_id, prepared.prompt_ids, chat.sampling, False, routed_experts_start=experts_from)
+        return prepared, gen
+
+    async def finish_turn(
+        self,
+        prepared: PreparedTurn,
+        gen: Generation,
+        *,
+        token_versions: list[int],
+        instance: InstanceState,
+        reply: ParsedOutput,
+    ) -> None:
+        """Record what the turn sampled on `instance` (the last that served it) with the reply the agent gets: a
+        later turn continues this one only if it echoes that reply."""
+        await self.record(
+            prepared,
+            output_ids=gen.output_ids,
+            output_logprobs=gen.logprobs,
+            finish_reason=gen.finish_reason,
+            weight_version=instance.weight_version,
+            token_versions=token_versions,
+            instance=(instance.id.base_worker_id, instance.id.dp_rank),
+            assistant_message={"role": "assistant", "content": reply.content, "tool_calls": reply.tool_calls},
+            routed_experts=None if gen.routed_experts is None else gen.routed_experts.record(),
+        )
 
     async def abandon(self, prepared: PreparedTurn) -> None:
         await self._off_loop(self._calls, self._abandon_quietly, prepared)

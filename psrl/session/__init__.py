@@ -1,7 +1,4 @@
-"""The SessionRouter: a FastAPI front for agent sessions over the router's TITO (COMPAT section 7)."""
+"""The SessionRouter: an HTTP front for agent sessions over the router's TITO (docs/compat.md, SessionRouter).
 
-from psrl.session.app import create_app
-from psrl.session.config import SessionConfig
-from psrl.session.state import SessionState, SessionStore
-
-__all__ = ["SessionConfig", "SessionState", "SessionStore", "create_app"]
+Modules: `config` (settings), `state` (sessions, trajectories, hang/continue), `app` (the HTTP app), `server`
+(`python -m psrl.session`)."""

@@ -1,4 +1,4 @@
-"""Self-registration with the router: POST /workers (COMPAT section 1) once our own HealthCheck passes.
+"""Self-registration with the router: POST /workers (docs/compat.md section 5) once our own HealthCheck passes.
 
 The router's admin key goes in the `Authorization` header (from --router-api-key-file or $PSRL_ROUTER_API_KEY,
 or --router-api-key); the router then calls this replica back over gRPC, with the replicas' token if it has one.
@@ -20,7 +20,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 from psrl.replica_auth import REFUSED_ERROR_CODE, token_interceptors
 
 if TYPE_CHECKING:
-    from psrl.worker.server import WorkerArgs
+    from psrl.worker.config import WorkerArgs
 
 logger = logging.getLogger(__name__)
 

@@ -53,7 +53,7 @@ from psrl.worker.routed_experts import (
 )
 
 if TYPE_CHECKING:
-    from psrl.worker.server import WorkerArgs
+    from psrl.worker.config import WorkerArgs
 
 logger = logging.getLogger("psrl.worker")
 

@@ -6,8 +6,9 @@ import dataclasses
 
 import pytest
 
+from psrl.router.config import CacheAwareConfig
 from psrl.router.policies.base import SelectionRequest
-from psrl.router.policies.cache_aware import CacheAwareConfig, CacheAwarePolicy, is_imbalanced
+from psrl.router.policies.cache_aware import CacheAwarePolicy, is_imbalanced
 from psrl.router.registry import InstanceState, WorkerRegistry
 
 

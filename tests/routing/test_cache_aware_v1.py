@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from smg_grpc_proto.generated import common_pb2 as pb
 
+from psrl.router.config import CacheAwareConfig
 from psrl.router.policies.base import SelectionRequest
-from psrl.router.policies.cache_aware import CacheAwareConfig
 from psrl.router.policies.cache_aware_v1 import CacheAwareV1Policy
 from psrl.router.policies.kv_index import KvEventIndex, PromptHashes, Tier
 from psrl.router.registry import InstanceId, InstanceState, WorkerRegistry
@@ -202,8 +202,8 @@ def _policy(**overrides: object) -> CacheAwareV1Policy:
 def test_prefix_hit_wins() -> None:
     a, b, c = _instances()
     policy = _policy()
-    policy.index.apply(b.id, batch(stored(PROMPT[:8], first_hash=1)))
-    policy.index.apply(c.id, batch(stored(PROMPT[:16], first_hash=1)))
+    policy.kv_index.apply(b.id, batch(stored(PROMPT[:8], first_hash=1)))
+    policy.kv_index.apply(c.id, batch(stored(PROMPT[:16], first_hash=1)))
     c.inflight = 4
     assert policy.select([a, b, c], _req(PROMPT)) is c  # 4 blocks beat 2 despite the load
     assert policy.select([a, b], _req(PROMPT)) is b  # only the candidates are scored
@@ -214,8 +214,8 @@ def test_score_ties_go_to_lower_load_then_smaller_index() -> None:
     a, b, c = _instances()
     policy = _policy()
     for inst in (a, b, c):
-        policy.index.apply(inst.id, batch(stored(PROMPT[:8], first_hash=1)))
-    policy.index.apply(a.id, batch(stored([9] * 8, first_hash=50)))
+        policy.kv_index.apply(inst.id, batch(stored(PROMPT[:8], first_hash=1)))
+    policy.kv_index.apply(a.id, batch(stored([9] * 8, first_hash=50)))
     b.inflight = 1
     assert policy.select([a, b, c], _req(PROMPT)) is c  # a: bigger index; b: busier
     c.inflight = 1
@@ -228,8 +228,8 @@ def test_tier_weights() -> None:
     gpu_only = _policy()  # lmcache weight 0: the host tier is skipped
     weighted = _policy(lmcache_overlap_weight=0.5)
     for policy in (gpu_only, weighted):
-        policy.index.apply(a.id, batch(stored(PROMPT[:8], first_hash=1)))  # 2 device blocks
-        policy.index.apply(b.id, batch(stored(PROMPT[:4], first_hash=1), stored(PROMPT, first_hash=1, tier=host)))
+        policy.kv_index.apply(a.id, batch(stored(PROMPT[:8], first_hash=1)))  # 2 device blocks
+        policy.kv_index.apply(b.id, batch(stored(PROMPT[:4], first_hash=1), stored(PROMPT, first_hash=1, tier=host)))
     # gpu_only: a 2 vs b 1. weighted: a 2 vs b 1 + 0.5 x 6 = 4.
     assert gpu_only.select([a, b], _req(PROMPT)) is a
     assert weighted.select([a, b], _req(PROMPT)) is b
@@ -238,7 +238,7 @@ def test_tier_weights() -> None:
 def test_imbalance_forces_min_load() -> None:
     a, b, c = _instances()
     policy = _policy()
-    policy.index.apply(c.id, batch(stored(PROMPT, first_hash=1)))
+    policy.kv_index.apply(c.id, batch(stored(PROMPT, first_hash=1)))
     a.inflight, b.inflight, c.inflight = 5, 3, 20  # spread 17 > 16, 20 > 1.5 x 3
     assert policy.select([a, b, c], _req(PROMPT)) is b
     a.inflight, b.inflight, c.inflight = 1, 0, 1
@@ -250,8 +250,8 @@ def test_admission_rejects_a_hit_that_does_not_fit() -> None:
     a, b, c = _instances({"max_model_len": "100"})
     policy = _policy(kv_capacity_threshold=1.0)
     long_prompt = list(range(200, 300))  # 100 tokens
-    policy.index.apply(b.id, batch(stored(long_prompt[:80], first_hash=1)))  # 20 new tokens
-    policy.index.apply(c.id, batch(stored(long_prompt[:40], first_hash=1)))  # 60 new tokens
+    policy.kv_index.apply(b.id, batch(stored(long_prompt[:80], first_hash=1)))  # 20 new tokens
+    policy.kv_index.apply(c.id, batch(stored(long_prompt[:40], first_hash=1)))  # 60 new tokens
     b.stats.kv_cache_usage = 0.7  # free (1.0 - 0.7) x 100 = 30 >= 20
     c.stats.kv_cache_usage = 0.3  # free 70 >= 60
     a.inflight, a.stats.kv_cache_usage = 1, 0.5  # keeps the usage spread under 0.75 below
@@ -275,7 +275,7 @@ def test_falls_back_to_the_token_tree_without_events() -> None:
     assert policy.select([a, b, c], _req([1, 2, 3])) is a  # miss: smallest tree
     # Text-only requests cannot be scored by KV events: the tree's byte keys decide.
     policy.on_dispatched(c, SelectionRequest("t", model="m", text="hello world"))
-    policy.index.apply(a.id, batch(stored(PROMPT, first_hash=1)))
+    policy.kv_index.apply(a.id, batch(stored(PROMPT, first_hash=1)))
     assert policy.select([a, b, c], SelectionRequest("t", model="m", text="hello there")) is c
     # Once the index knows a candidate, events decide.
     assert policy.select([a, b, c], _req(PROMPT)) is a
@@ -284,9 +284,9 @@ def test_falls_back_to_the_token_tree_without_events() -> None:
 def test_worker_removal_reaches_tree_and_index() -> None:
     a, _, _ = _instances()
     policy = _policy()
-    policy.index.apply(a.id, batch(stored(PROMPT, first_hash=1)))
+    policy.kv_index.apply(a.id, batch(stored(PROMPT, first_hash=1)))
     policy.on_dispatched(a, _req(PROMPT))
     policy.on_worker_removed("a")
-    assert not policy.index.has_blocks(a.id)
+    assert not policy.kv_index.has_blocks(a.id)
     assert policy.approximate.tree(_req(PROMPT)).size_of(a.id) == 0
     assert policy.maybe_evict(10**9)

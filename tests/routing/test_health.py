@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from psrl.router.health import BreakerConfig, BreakerState, CircuitBreaker, HealthConfig, HealthTracker
+from psrl.router.config import BreakerConfig, HealthConfig
+from psrl.router.health import BreakerState, CircuitBreaker, HealthTracker
 from psrl.router.registry import SchedulerStats, WorkerRegistry
 
 

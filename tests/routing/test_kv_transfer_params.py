@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from psrl.router.dispatch import Dispatcher, KvTransferConfig
+from psrl.router.config import KvTransferConfig
+from psrl.router.dispatch import Dispatcher
 from psrl.router.pipeline.context import GenerationInput, SamplingSpec
 from psrl.router.pipeline.execute import _moved_tokens
 from psrl.router.registry import InstanceId, WorkerRegistry

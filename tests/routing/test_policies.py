@@ -6,15 +6,13 @@ import collections
 
 import pytest
 
-from psrl.router.policies import (
-    ConsistentHashPolicy,
-    LeastLoadPolicy,
-    PowerOfTwoPolicy,
-    RandomPolicy,
-    RoundRobinPolicy,
-    SelectionRequest,
-    make_policy,
-)
+from psrl.router.policies import make_policy
+from psrl.router.policies.base import SelectionRequest
+from psrl.router.policies.consistent_hash import ConsistentHashPolicy
+from psrl.router.policies.least_load import LeastLoadPolicy
+from psrl.router.policies.power_of_two import PowerOfTwoPolicy
+from psrl.router.policies.random_choice import RandomPolicy
+from psrl.router.policies.round_robin import RoundRobinPolicy
 from psrl.router.registry import InstanceId, WorkerRegistry
 
 
@@ -90,3 +88,15 @@ def test_make_policy() -> None:
         assert make_policy(name).name == name
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("telepathy")
+
+
+def test_policies_declare_their_capabilities() -> None:
+    """What the router asks every policy: the prefix ones match on text and trim their trees; cache_aware_v1
+    scores on a KV-event index; the others keep nothing."""
+    for name in ("round_robin", "random", "power_of_two", "least_load", "consistent_hash"):
+        policy = make_policy(name)
+        assert (policy.needs_text, policy.kv_index, policy.maybe_evict(10**9)) == (False, None, False)
+    cache_aware = make_policy("cache_aware")
+    assert cache_aware.needs_text and cache_aware.kv_index is None and cache_aware.maybe_evict(10**9)
+    v1 = make_policy("cache_aware_v1")
+    assert v1.needs_text and v1.kv_index is not None and v1.maybe_evict(10**9)

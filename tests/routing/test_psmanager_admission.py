@@ -1,4 +1,4 @@
-"""Stage 4 over a fake PSManager client: filtering, indicators, commit and the aborted checks."""
+"""The admission step over a fake PSManager client: filtering, indicators, commit and the aborted checks."""
 
 from __future__ import annotations
 

@@ -6,14 +6,19 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from _wait import until
 
+from psrl.router.config import RoutingLoopConfig, SelectorConfig
 from psrl.router.metadata import RoutingMeta
 from psrl.router.pipeline.context import Generation, GenerationInput, SamplingSpec
-from psrl.router.pipeline.partial_rollout import RolloutState, UnexpectedFinishReason, classify
-from psrl.router.policies import LeastLoadPolicy, SelectionRequest
+from psrl.router.pipeline.partial_rollout import RolloutState, SegmentEnd, UnexpectedFinishReason, classify
+from psrl.router.policies.base import SelectionRequest
+from psrl.router.policies.least_load import LeastLoadPolicy
 from psrl.router.registry import WorkerRegistry
-from psrl.router.routing_loop import QueueEntry, RequestQueue, RoutingLoop, RoutingLoopConfig
-from psrl.router.selector import Selector, SelectorConfig
+from psrl.router.routing_loop import QueueEntry, RequestQueue, RoutingLoop
+from psrl.router.selector import Selector
+
+from ._fakes import CountingAdmission
 
 
 def _entry(rid: int, *, version: int = -1, validate: bool = False, length: int = 1) -> QueueEntry:
@@ -52,10 +57,10 @@ def test_partitions_drain_the_lowest_version_first() -> None:
     assert [e.meta.request_id for e in iter(q.pop, None)] == [3, 2, 1]
 
 
-def _setup(**loop_kw):
+def _setup(admission: CountingAdmission | None = None, **loop_kw):
     reg = WorkerRegistry()
     reg.create_worker("w", "grpc://h:1", models=["m"], labels={}, dp_size=2)
-    selector = Selector(SelectorConfig(), LeastLoadPolicy())
+    selector = Selector(SelectorConfig(), LeastLoadPolicy(), admission)
     loop = RoutingLoop(RoutingLoopConfig(**loop_kw), selector)
     return reg, loop
 
@@ -86,14 +91,14 @@ async def test_pause_barrier_waits_for_handoffs_and_holds_new_requests() -> None
     try:
         ticket = await loop.acquire(_meta(1), SelectionRequest("1"), reg.instances)
         pause = asyncio.ensure_future(loop.pause(wait=True))
-        await asyncio.sleep(0.05)
+        await until(lambda: loop.status()["paused"], "the loop is paused")
         assert not pause.done()  # a hand-off of the old epoch is still active
-        assert loop.status()["paused"] and loop.status()["routing_epoch"] == 1
+        assert loop.status()["routing_epoch"] == 1
         ticket.release_handoff()
         await asyncio.wait_for(pause, 2)
         queued = asyncio.ensure_future(loop.acquire(_meta(2), SelectionRequest("2"), reg.instances))
-        await asyncio.sleep(0.05)
-        assert not queued.done() and loop.status()["queue_len"] == 1
+        await until(lambda: loop.status()["queue_len"] == 1, "the request is queued")
+        assert not queued.done()  # paused: nothing is placed
         assert loop.queued(-1) == [{"request_id": 2, "version_tag": -1, "prompt_id": 2, "is_validate": False}]
         loop.resume()
         second = await asyncio.wait_for(queued, 2)
@@ -107,20 +112,19 @@ async def test_pause_barrier_waits_for_handoffs_and_holds_new_requests() -> None
 async def test_a_selection_finished_in_an_old_epoch_is_requeued_never_dispatched() -> None:
     reg, loop = _setup()
     gate = asyncio.Event()
-    real_select = loop._selector.select
+    real_resolve = loop._selector.resolve
 
-    async def slow_select(*args, **kwargs):
+    async def slow_resolve(*args, **kwargs):
         await gate.wait()
-        return await real_select(*args, **kwargs)
+        return await real_resolve(*args, **kwargs)
 
-    loop._selector.select = slow_select  # type: ignore[method-assign]
+    loop._selector.resolve = slow_resolve  # type: ignore[method-assign]
     loop.start()
     try:
         acquire = asyncio.ensure_future(loop.acquire(_meta(1), SelectionRequest("1"), reg.instances))
-        await asyncio.sleep(0.05)
-        assert loop.status()["selecting"]
+        await until(lambda: loop.status()["selecting"], "the loop is selecting")
         pause = asyncio.ensure_future(loop.pause(wait=True))
-        await asyncio.sleep(0.05)
+        await until(lambda: loop.status()["paused"], "the loop is paused")
         assert not pause.done()  # the decision of the old epoch is still running
         gate.set()
         await asyncio.wait_for(pause, 2)
@@ -140,8 +144,8 @@ async def test_requests_without_an_instance_wait_in_the_queue() -> None:
     loop.start()
     try:
         acquire = asyncio.ensure_future(loop.acquire(_meta(1), SelectionRequest("1"), reg.instances))
-        await asyncio.sleep(0.1)
-        assert not acquire.done() and loop.status()["queue_len"] == 1
+        await until(lambda: loop.status()["queue_len"] == 1, "the request is queued")
+        assert not acquire.done()  # every instance is paused
         reg.instances()[1].paused = False
         ticket = await asyncio.wait_for(acquire, 2)
         assert ticket.instance is reg.instances()[1]
@@ -156,8 +160,8 @@ async def test_max_running_caps_dispatch() -> None:
     try:
         first = await loop.acquire(_meta(1), SelectionRequest("1"), reg.instances)
         second = asyncio.ensure_future(loop.acquire(_meta(2), SelectionRequest("2"), reg.instances))
-        await asyncio.sleep(0.05)
-        assert not second.done()
+        await until(lambda: loop.status()["queue_len"] == 1, "the second request is queued")
+        assert not second.done()  # the one running slot is taken
         loop.finished(first, success=True)
         loop.finished(await asyncio.wait_for(second, 2), success=True)
     finally:
@@ -173,7 +177,7 @@ async def test_a_request_no_instance_can_take_does_not_hold_back_the_ones_behind
     loop.start()
     try:
         blocked = asyncio.ensure_future(loop.acquire(_versioned(1, 7), SelectionRequest("1"), reg.instances))
-        await asyncio.sleep(0.05)
+        await until(lambda: loop.status()["queue_len"] == 1, "the blocker is queued")
         # Behind the blocker in priority order (a higher request id), and placeable: it is served.
         later = await asyncio.wait_for(loop.acquire(_meta(2), SelectionRequest("2"), reg.instances), 2)
         assert not blocked.done() and loop.status()["queue_len"] == 1
@@ -181,7 +185,7 @@ async def test_a_request_no_instance_can_take_does_not_hold_back_the_ones_behind
         for inst in reg.instances():
             inst.paused = True
         after = asyncio.ensure_future(loop.acquire(_meta(3), SelectionRequest("3"), reg.instances))
-        await asyncio.sleep(0.05)
+        await until(lambda: loop.status()["queue_len"] == 2, "both requests are queued")
         assert [k[2] for k in loop.status()["queue_keys"]] == [1, 3]
         reg.instances()[0].synced_version = 7
         reg.instances()[0].paused = False
@@ -203,8 +207,7 @@ async def test_a_queued_request_whose_caller_left_leaves_the_queue() -> None:
             asyncio.ensure_future(loop.acquire(_versioned(i, 9), SelectionRequest(str(i)), reg.instances))
             for i in range(3)
         ]
-        await asyncio.sleep(0.05)
-        assert loop.status()["queue_len"] == 3
+        await until(lambda: loop.status()["queue_len"] == 3, "three requests are queued")
         waiting[1].cancel()
         await asyncio.gather(waiting[1], return_exceptions=True)
         assert loop.status()["queue_len"] == 2
@@ -212,7 +215,7 @@ async def test_a_queued_request_whose_caller_left_leaves_the_queue() -> None:
         for w in waiting:
             w.cancel()
         await asyncio.gather(*waiting, return_exceptions=True)
-        await asyncio.sleep(0.05)
+        await until(lambda: loop.status()["pending_request_num"] == 0, "nothing is pending")
         status = loop.status()
         assert status["queue_len"] == 0 and status["pending_request_num"] == 0 and status["running_tasks"] == 0
         assert all(i.inflight == 0 for i in reg.instances())
@@ -228,7 +231,7 @@ async def test_more_blocked_requests_than_a_pass_tries_still_let_later_ones_thro
             asyncio.ensure_future(loop.acquire(_versioned(i, 5), SelectionRequest(str(i)), reg.instances))
             for i in range(10)
         ]
-        await asyncio.sleep(0.05)
+        await until(lambda: loop.status()["queue_len"] == 10, "ten requests are queued")
         ok = await asyncio.wait_for(loop.acquire(_meta(100), SelectionRequest("100"), reg.instances), 5)
         assert loop.status()["queue_len"] == 10
         loop.finished(ok, success=True)
@@ -238,6 +241,61 @@ async def test_more_blocked_requests_than_a_pass_tries_still_let_later_ones_thro
         assert loop.status()["queue_len"] == 0
     finally:
         await loop.stop()
+
+
+async def test_a_placement_whose_commit_fails_stays_queued_and_is_placed_again() -> None:
+    admission = CountingAdmission()
+    admission.commit_errors = [RuntimeError("PSManager refused")]
+    reg, loop = _setup(admission)
+    loop.start()
+    try:
+        ticket = await asyncio.wait_for(loop.acquire(_meta(1), SelectionRequest("1"), reg.instances), 5)
+        assert admission.calls == ["admit", "on_commit", "admit", "on_commit"]
+        assert sum(i.inflight for i in reg.instances()) == 1  # the failed commit was released
+        assert loop.status()["active_dispatch_handoffs"] == 1 and loop.status()["running_tasks"] == 1
+        loop.finished(ticket, success=True)
+    finally:
+        await loop.stop()
+
+
+async def test_an_epoch_change_while_recording_drops_the_placement() -> None:
+    admission = CountingAdmission()
+    admission.commit_gate = asyncio.Event()
+    reg, loop = _setup(admission)
+    loop.start()
+    try:
+        acquire = asyncio.ensure_future(loop.acquire(_meta(1), SelectionRequest("1"), reg.instances))
+        await until(lambda: admission.calls == ["admit", "on_commit"], "the placement is being recorded")
+        assert loop.status()["active_dispatch_handoffs"] == 1
+        pause = asyncio.ensure_future(loop.pause(wait=True))
+        await until(lambda: loop.status()["paused"], "the loop is paused")
+        assert not pause.done()  # the hand-off of the old epoch is still active
+        admission.commit_gate.set()
+        await asyncio.wait_for(pause, 2)
+        status = loop.status()
+        assert not acquire.done() and status["queue_len"] == 1 and status["running_tasks"] == 0
+        assert all(i.inflight == 0 for i in reg.instances())  # committed, then released: never dispatched
+        loop.resume()
+        ticket = await asyncio.wait_for(acquire, 2)
+        assert admission.calls.count("on_commit") == 2
+        loop.finished(ticket, success=True)
+    finally:
+        await loop.stop()
+
+
+async def test_stopping_the_loop_while_recording_releases_the_placement() -> None:
+    admission = CountingAdmission()
+    admission.commit_gate = asyncio.Event()
+    reg, loop = _setup(admission)
+    loop.start()
+    acquire = asyncio.ensure_future(loop.acquire(_meta(1), SelectionRequest("1"), reg.instances))
+    await until(lambda: admission.calls == ["admit", "on_commit"], "the placement is being recorded")
+    await loop.stop()
+    with pytest.raises(asyncio.CancelledError):
+        await acquire
+    status = loop.status()
+    assert status["active_dispatch_handoffs"] == 0 and status["running_tasks"] == 0
+    assert all(i.inflight == 0 for i in reg.instances())
 
 
 def test_a_discarded_entry_is_skipped_and_counted_out() -> None:
@@ -265,7 +323,7 @@ def _gen_input(max_tokens: int | None = 10, logprobs: int | None = 0) -> Generat
 def test_rollout_state_merges_segments_and_rebuilds_the_request() -> None:
     state = RolloutState(_gen_input())
     state.add(Generation([7, 8], [-0.1, -0.2], None, "abort", None, 3, 1), weight_version=4)
-    assert classify(Generation(finish_reason="abort"), state) == "loop"
+    assert classify(Generation(finish_reason="abort"), state) is SegmentEnd.LOOP_BACK
     nxt = state.next_input()
     assert nxt.prompt_ids == [1, 2, 3, 7, 8] and nxt.sampling.max_tokens == 8 and nxt.request_id == "r-r1"
     state.add(Generation([], None, None, "abort"), weight_version=5)  # refused at admission: nothing added
@@ -285,7 +343,7 @@ def test_a_segment_without_logprobs_drops_them_all() -> None:
 def test_budget_and_finish_reasons() -> None:
     state = RolloutState(_gen_input(max_tokens=2))
     state.add(Generation([7, 8], [-1.0, -1.0], None, "abort"), 1)
-    assert state.remaining_tokens == 0 and classify(Generation(finish_reason="abort"), state) == "done"
+    assert state.remaining_tokens == 0 and classify(Generation(finish_reason="abort"), state) is SegmentEnd.DONE
     unbounded = RolloutState(_gen_input(max_tokens=None))
     assert unbounded.next_input().sampling.max_tokens is None
     with pytest.raises(UnexpectedFinishReason):

@@ -1,4 +1,4 @@
-"""The coordinator endpoints' semantics and response shapes (COMPAT section 1), on the registry directly."""
+"""The coordinator endpoints' semantics and response shapes (docs/compat.md section 6), on the registry directly."""
 
 from __future__ import annotations
 

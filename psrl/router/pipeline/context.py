@@ -85,7 +85,7 @@ class RoutedExperts:
         return base64.b64encode(buf.getvalue()).decode("ascii")
 
     def record(self) -> dict[str, Any]:
-        """A TITO record's `routed_experts` (COMPAT section 6; psrl.tito.training reads it)."""
+        """A TITO record's `routed_experts` (docs/compat.md section 10; psrl.tito.training reads it)."""
         return {
             "data": self.b64_npy(),
             "num_layers": self.num_layers,

@@ -1,4 +1,4 @@
-"""Stage 4, execute: one Generate call on the chosen instance, read as deltas and accumulated like SMG.
+"""The execute stage's unit: one Generate call on the chosen instance, read as deltas and accumulated like SMG.
 
 Accumulation rule (the servicer's framing): chunk token ids are the output; a complete frame's ids count only
 when no chunk came for its choice (non-streamed calls), because when streaming it repeats the last chunk's

@@ -1,4 +1,4 @@
-"""Stage 1, parse: validate a request body into typed fields. Pure; every problem is a BadRequest naming it."""
+"""The read stage's checks: validate a request body into typed fields. Pure; every problem is a BadRequest naming it."""
 
 from __future__ import annotations
 

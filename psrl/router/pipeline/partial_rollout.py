@@ -1,4 +1,4 @@
-"""Partial rollout (COMPAT section 5): when a weight sync aborts a request, keep what it produced and loop it
+"""Partial rollout (docs/compat.md section 9): when a weight sync aborts a request, keep what it produced and loop it
 back as prompt + output with the remaining budget, until it ends with stop or length. Pure bookkeeping.
 
 Routed experts concatenate across iterations: each segment reports the rows from where the previous one ended
@@ -11,6 +11,7 @@ routing would replay the wrong experts in training.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -19,6 +20,13 @@ from psrl.router.errors import RouterError
 from psrl.router.pipeline.context import Generation, GenerationInput, RoutedExperts
 
 TERMINAL = ("stop", "length")
+
+
+class SegmentEnd(enum.Enum):
+    """What a segment's finish means for its choice."""
+
+    DONE = "done"  # the choice is finished
+    LOOP_BACK = "loop_back"  # aborted by a weight sync with budget left: it continues on another iteration
 
 
 class UnexpectedFinishReason(RouterError):
@@ -154,13 +162,13 @@ class RolloutState:
         )
 
 
-def classify(segment: Generation, state: RolloutState) -> str:
-    """'done', 'loop' (aborted by a sync: loop back) or raise for any other finish reason."""
+def classify(segment: Generation, state: RolloutState) -> SegmentEnd:
+    """How the choice goes on after `segment`; raises for a finish reason other than stop, length or abort."""
     reason = segment.finish_reason
     if reason in TERMINAL:
-        return "done"
+        return SegmentEnd.DONE
     if reason == "abort":
         if state.remaining_tokens == 0:
-            return "done"  # aborted exactly at the budget: nothing is left to generate
-        return "loop"
+            return SegmentEnd.DONE  # aborted exactly at the budget: nothing is left to generate
+        return SegmentEnd.LOOP_BACK
     raise UnexpectedFinishReason(f"the replica ended the request with finish_reason {reason!r}")

@@ -1,4 +1,4 @@
-"""Stage 2, prepare: render the chat template and tokenize, checking the prompt against the context."""
+"""The prepare stage: render the chat template and tokenize, checking the prompt against the context."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def check_prompt(prompt_ids: list[int], sampling: SamplingSpec, max_context: int
     """Refuse before dispatch a prompt that (with max_tokens) does not fit the context.
 
     The message opens with OpenAI's (and older vLLM's) context-window wording, which client libraries match,
-    and ends with vLLM's "longer than the maximum model length", which PSRL matches (COMPAT section 1).
+    and ends with vLLM's "longer than the maximum model length", which PSRL matches (docs/compat.md section 4).
     """
     prompt = len(prompt_ids)
     if not max_context:

@@ -1,14 +1,26 @@
-"""Stage 5, respond: shape a generation as an OpenAI chat/completion object, SSE chunks, or /generate output."""
+"""The respond stage: shape a generation as an OpenAI chat/completion object, SSE chunks, or /generate output."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from psrl.router.pipeline.context import Generation
 from psrl.router.pipeline.tool_calls import ParsedOutput, StreamPiece
 from psrl.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from psrl.router.selector import Ticket
+
+
+def instance_headers(ticket: Ticket) -> dict[str, str]:
+    """What PSRL reads back and replays as the next turn's hint and version floor."""
+    return {
+        "x-base-worker-id": ticket.instance.id.base_worker_id,
+        "x-target-dp-rank": str(ticket.instance.id.dp_rank),
+        "x-version-tag": str(ticket.pinned_version),
+    }
 
 
 def usage(choices: Sequence[Generation]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Stage 5 for streaming clients: turn a generation's deltas into SSE events, whatever the API's spelling.
+"""The respond stage for streaming clients: turn a generation's deltas into SSE events, whatever the API's spelling.
 
 Chat and completions (`sse_stream`): one ChoiceWriter per choice spells its chunks (the opening, each delta,
 its end); deltas of n > 1 choices interleave, each choice's end comes when it finishes; the framing, the usage
@@ -19,8 +19,9 @@ from psrl.router.errors import RouterError
 from psrl.router.pipeline import respond as R
 from psrl.router.pipeline.context import Generation
 from psrl.router.pipeline.execute import Delta
+from psrl.router.pipeline.parse import ChatRequest, CompletionRequest
 from psrl.router.pipeline.stops import StreamedText
-from psrl.router.pipeline.tool_calls import StreamPiece, ToolCallStream
+from psrl.router.pipeline.tool_calls import StreamPiece, ToolCallParser, ToolCallStream
 from psrl.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -330,3 +331,74 @@ class MessagesWriter:
 
     def error(self, e: RouterError) -> list[str]:
         return self.stream.error(e.message, e.status)
+
+
+# ---- each streaming API's events, from a started generation ------------------------------------------------
+
+
+def chat_events(
+    source: DeltaSource,
+    tok: Tokenizer,
+    chat: ChatRequest,
+    parser: ToolCallParser,
+    *,
+    request_id: str,
+    created: int,
+    model: str,
+    prompt_tokens: int,
+) -> AsyncIterator[bytes]:
+    """`/v1/chat/completions` chunks, one ChatChoice per choice."""
+    choices = [
+        ChatChoice(i, StreamedText(tok, chat.sampling), parser.stream(), tok, chat.logprobs, chat.tool_choice.named)
+        for i in range(chat.sampling.n)
+    ]
+    envelope = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+    return sse_stream(
+        source,
+        choices,
+        envelope=envelope,
+        include_usage=chat.include_usage,
+        continuous_usage=chat.continuous_usage,
+        prompt_tokens=prompt_tokens,
+    )
+
+
+def completion_events(
+    source: DeltaSource,
+    tok: Tokenizer,
+    req: CompletionRequest,
+    *,
+    request_id: str,
+    created: int,
+    model: str,
+    prompt_tokens: int,
+) -> AsyncIterator[bytes]:
+    """`/v1/completions` chunks, one CompletionChoice per choice."""
+    choices = [CompletionChoice(i, StreamedText(tok, req.sampling), tok) for i in range(req.sampling.n)]
+    envelope = {"id": request_id, "object": "text_completion", "created": created, "model": model}
+    return sse_stream(
+        source,
+        choices,
+        envelope=envelope,
+        include_usage=req.include_usage,
+        continuous_usage=req.continuous_usage,
+        prompt_tokens=prompt_tokens,
+    )
+
+
+def converted_events(
+    source: DeltaSource,
+    tok: Tokenizer,
+    chat: ChatRequest,
+    parser: ToolCallParser,
+    writer: ApiWriter,
+    request_id: str,
+) -> AsyncIterator[bytes]:
+    """A chat generation streamed as another API's events (`/v1/responses`, `/v1/messages`), spelt by `writer`."""
+    asked = chat.logprobs
+
+    def logprobs(d: Delta) -> list[dict[str, Any]] | None:
+        chat_lps = R.chat_logprobs(tok, d.token_ids, d.logprobs, d.top_logprobs) if asked else None
+        return None if chat_lps is None else chat_lps["content"]  # the Responses entries have this shape
+
+    return api_stream(source, StreamedText(tok, chat.sampling), parser.stream(), writer, logprobs, request_id)

@@ -19,15 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from psrl.router.config import DEFAULT_TOOL_PARSER, TOOL_PARSER_NAMES
 from psrl.router.pipeline.stops import partial_match_start
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 THINK_START = "<think>"
 THINK_END = "</think>"
-# COMPAT: a null tool_call_parser in the config means the Qwen/hermes format.
-DEFAULT_TOOL_PARSER = "qwen"
-
 # One block per match: the body runs to the nearest end marker, or to the end of the text when the output
 # was cut at max_tokens (then `end` is None and the block is not a call).
 _TOOL_CALL_BLOCK = re.compile(r"<tool_call>(?P<body>.*?)(?:(?P<end></tool_call>)|\Z)", re.DOTALL)
@@ -285,7 +283,6 @@ _PARSERS: dict[str, Callable[[], ToolCallParser]] = {
     "qwen": HermesToolParser,
     "none": NoToolParser,
 }
-TOOL_PARSER_NAMES = tuple(sorted(_PARSERS))
 
 
 def make_tool_parser(name: str | None) -> ToolCallParser:

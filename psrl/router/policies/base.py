@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, ClassVar
 
 from psrl.router.registry import InstanceState
+
+if TYPE_CHECKING:
+    from psrl.router.policies.kv_index import KvEventIndex
 
 
 @dataclass(frozen=True)
@@ -26,29 +30,29 @@ class SelectionRequest:
         return self.text.encode("utf-8") if self.text else ()
 
 
-class Policy(Protocol):
-    name: str
+class Policy(abc.ABC):
+    """A routing policy: `select` picks an instance; the other members are optional capabilities whose
+    defaults are those of a policy that keeps no state."""
 
+    name: ClassVar[str]
+    # Whether it matches on the prompt's text when the workers are reached over HTTP (no token ids).
+    needs_text: ClassVar[bool] = False
+    # The index of engine KV events it scores on; the router feeds it from each gRPC worker's subscription.
+    kv_index: KvEventIndex | None = None
+
+    @abc.abstractmethod
     def select(self, candidates: Sequence[InstanceState], request: SelectionRequest) -> InstanceState:
         """Pick one of `candidates` (never empty); all are available."""
-        ...
 
     def on_dispatched(self, instance: InstanceState, request: SelectionRequest) -> None:
         """The request was sent to `instance` (prefix policies record what it now caches)."""
-        ...
+        return None
 
     def on_worker_removed(self, worker_id: str) -> None:
         """Forget everything about a worker that left the registry."""
-        ...
-
-
-class StatelessPolicy:
-    """Base for policies with nothing to record after a choice."""
-
-    name = "stateless"
-
-    def on_dispatched(self, instance: InstanceState, request: SelectionRequest) -> None:
         return None
 
-    def on_worker_removed(self, worker_id: str) -> None:
-        return None
+    def maybe_evict(self, now: float | None = None) -> bool:
+        """Trim what the policy remembers, when it is due; the router calls it in the background. Returns
+        whether it ran."""
+        return False

@@ -9,42 +9,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-from psrl.router.policies.base import SelectionRequest
+from psrl.router.config import CacheAwareConfig
+from psrl.router.policies.base import Policy, SelectionRequest
 from psrl.router.policies.radix_tree import RadixTree
 from psrl.router.registry import InstanceState
-
-
-@dataclass
-class CacheAwareConfig:
-    """PSRL's `cache_aware_policy` section (COMPAT §8), with the yaml defaults."""
-
-    cache_threshold: float = 0.0
-    balance_abs_threshold: int = 16
-    balance_rel_threshold: float = 1.5
-    balance_token_usage_threshold: float = 0.75
-    overload_token_usage_threshold: float = 1.0
-    eviction_interval_secs: float = 60
-    max_tree_size: int = 2**26
-    block_size: int = 16
-    gpu_overlap_weight: float = 1.0
-    lmcache_overlap_weight: float = 0.0
-    kv_capacity_threshold: float = 2.0
-
-    def validate(self) -> None:
-        if not 0.0 <= self.cache_threshold <= 1.0:
-            raise ValueError("cache_threshold must be in [0, 1]")
-        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 0:
-            raise ValueError("balance_abs_threshold and balance_rel_threshold must be >= 0")
-        if self.balance_token_usage_threshold < 0 or self.overload_token_usage_threshold < 0:
-            raise ValueError("balance_token_usage_threshold and overload_token_usage_threshold must be >= 0")
-        if self.eviction_interval_secs <= 0:
-            raise ValueError("eviction_interval_secs must be positive")
-        if self.max_tree_size < 1 or self.block_size < 1:
-            raise ValueError("max_tree_size and block_size must be >= 1")
-        if self.kv_capacity_threshold <= 0:
-            raise ValueError("kv_capacity_threshold must be positive")
 
 
 def is_imbalanced(candidates: Sequence[InstanceState], config: CacheAwareConfig) -> bool:
@@ -64,8 +33,9 @@ def least_loaded(candidates: Sequence[InstanceState]) -> InstanceState:
     return min(candidates, key=lambda c: c.load)
 
 
-class CacheAwarePolicy:
+class CacheAwarePolicy(Policy):
     name = "cache_aware"
+    needs_text = True
 
     def __init__(self, config: CacheAwareConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config or CacheAwareConfig()
@@ -114,10 +84,8 @@ class CacheAwarePolicy:
             tree.remove_worker(worker_id)
 
     def maybe_evict(self, now: float | None = None) -> bool:
-        """Trim every instance to max_tree_size tokens per tree, at most once per eviction_interval_secs.
-
-        Returns whether it ran. The router may call it from a background loop; on_dispatched calls it too.
-        """
+        """Trim every instance to max_tree_size tokens per tree, at most once per eviction_interval_secs
+        (on_dispatched calls it too)."""
         now = self._clock() if now is None else now
         if now - self._last_eviction < self.config.eviction_interval_secs:
             return False

@@ -1,9 +1,9 @@
 """cache_aware_v1: score candidates by the prompt blocks their engines report cached (KV events), per tier.
 
-COMPAT §8 "cache_aware_v1 with KV events": score = gpu_w x gpu_blocks + lmc_w x lmcache_blocks; the best
-positive score whose new (non-GPU-cached) tokens fit the instance's KV capacity wins, ties to lower load then the
-emptier cache; no positive score -> shortest queue. Imbalance forces shortest queue first. While the index knows
-nothing of the candidates, the approximate token tree of `CacheAwarePolicy` decides instead.
+PSRL's "cache_aware_v1 with KV events" rule (docs/routing.md, Policies): score = gpu_w x gpu_blocks + lmc_w x
+lmcache_blocks; the best positive score whose new (non-GPU-cached) tokens fit the instance's KV capacity wins, ties
+to lower load then the emptier cache; no positive score -> shortest queue. Imbalance forces shortest queue first.
+While the index knows nothing of the candidates, the approximate token tree of `CacheAwarePolicy` decides instead.
 """
 
 from __future__ import annotations
@@ -11,16 +11,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from psrl.router.policies.base import SelectionRequest
-from psrl.router.policies.cache_aware import CacheAwareConfig, CacheAwarePolicy, is_imbalanced, least_loaded
+from psrl.router.config import CacheAwareConfig
+from psrl.router.policies.base import Policy, SelectionRequest
+from psrl.router.policies.cache_aware import CacheAwarePolicy, is_imbalanced, least_loaded
 from psrl.router.policies.kv_index import KvEventIndex, PromptHashes, Tier
 from psrl.router.registry import InstanceState
 
 MAX_MODEL_LEN_LABEL = "max_model_len"
 
 
-class CacheAwareV1Policy:
+class CacheAwareV1Policy(Policy):
     name = "cache_aware_v1"
+    needs_text = True  # the token-tree fallback matches on text
+    kv_index: KvEventIndex
 
     def __init__(
         self,
@@ -29,7 +32,7 @@ class CacheAwareV1Policy:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config or CacheAwareConfig()
-        self.index = index if index is not None else KvEventIndex(self.config.block_size)
+        self.kv_index = index if index is not None else KvEventIndex(self.config.block_size)
         self.approximate = CacheAwarePolicy(self.config, clock)  # the fallback without KV events
 
     def select(self, candidates: Sequence[InstanceState], request: SelectionRequest) -> InstanceState:
@@ -38,7 +41,7 @@ class CacheAwareV1Policy:
         if is_imbalanced(candidates, self.config):
             return least_loaded(candidates)
         prompt = request.prompt_ids
-        if not prompt or not any(self.index.has_blocks(c.id) for c in candidates):
+        if not prompt or not any(self.kv_index.has_blocks(c.id) for c in candidates):
             return self.approximate.select_by_prefix(candidates, request)
         return self.select_by_kv_events(candidates, prompt)
 
@@ -49,11 +52,11 @@ class CacheAwareV1Policy:
         hashes = PromptHashes(prompt)
         ranked: list[tuple[float, int, int, int, int]] = []  # (-score, load, index size, position, gpu tokens)
         for position, c in enumerate(candidates):
-            gpu_blocks, lmc_blocks = self.index.score(c.id, hashes, gpu=gpu_w > 0, lmcache=lmc_w > 0)
+            gpu_blocks, lmc_blocks = self.kv_index.score(c.id, hashes, gpu=gpu_w > 0, lmcache=lmc_w > 0)
             score = (gpu_w * gpu_blocks if gpu_w > 0 else 0.0) + (lmc_w * lmc_blocks if lmc_w > 0 else 0.0)
             if score > 0:
-                gpu_tokens = min(len(prompt), gpu_blocks * self.index.block_size(c.id, Tier.GPU))
-                ranked.append((-score, c.load, self.index.size_of(c.id), position, gpu_tokens))
+                gpu_tokens = min(len(prompt), gpu_blocks * self.kv_index.block_size(c.id, Tier.GPU))
+                ranked.append((-score, c.load, self.kv_index.size_of(c.id), position, gpu_tokens))
         ranked.sort()
         for _, _, _, position, gpu_tokens in ranked:
             if self.admits(candidates[position], len(prompt) - gpu_tokens):
@@ -79,7 +82,7 @@ class CacheAwareV1Policy:
 
     def on_worker_removed(self, worker_id: str) -> None:
         self.approximate.on_worker_removed(worker_id)
-        self.index.remove_worker(worker_id)
+        self.kv_index.remove_worker(worker_id)
 
     def maybe_evict(self, now: float | None = None) -> bool:
         return self.approximate.maybe_evict(now)

@@ -10,7 +10,7 @@ import bisect
 import hashlib
 from collections.abc import Sequence
 
-from psrl.router.policies.base import SelectionRequest, StatelessPolicy
+from psrl.router.policies.base import Policy, SelectionRequest
 from psrl.router.registry import InstanceId, InstanceState
 
 VIRTUAL_NODES = 64
@@ -20,7 +20,7 @@ def _hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
-class ConsistentHashPolicy(StatelessPolicy):
+class ConsistentHashPolicy(Policy):
     name = "consistent_hash"
 
     def __init__(self, virtual_nodes: int = VIRTUAL_NODES) -> None:

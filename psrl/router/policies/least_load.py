@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from psrl.router.policies.base import SelectionRequest, StatelessPolicy
+from psrl.router.policies.base import Policy, SelectionRequest
 from psrl.router.registry import InstanceState
 
 
-class LeastLoadPolicy(StatelessPolicy):
+class LeastLoadPolicy(Policy):
     name = "least_load"
 
     def select(self, candidates: Sequence[InstanceState], request: SelectionRequest) -> InstanceState:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from psrl.router.policies.base import SelectionRequest, StatelessPolicy
+from psrl.router.policies.base import Policy, SelectionRequest
 from psrl.router.registry import InstanceState
 
 
-class PowerOfTwoPolicy(StatelessPolicy):
+class PowerOfTwoPolicy(Policy):
     name = "power_of_two"
 
     def __init__(self, seed: int | None = None) -> None:

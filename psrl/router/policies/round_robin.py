@@ -5,11 +5,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from psrl.router.policies.base import SelectionRequest, StatelessPolicy
+from psrl.router.policies.base import Policy, SelectionRequest
 from psrl.router.registry import InstanceState
 
 
-class RoundRobinPolicy(StatelessPolicy):
+class RoundRobinPolicy(Policy):
     name = "round_robin"
 
     def __init__(self) -> None:

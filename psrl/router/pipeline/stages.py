@@ -1,0 +1,439 @@
+"""The request path, stage by stage, and each endpoint kind's stage list.
+
+    read     the body and the routing headers, parsed and checked; the served model; a request id
+    route    a model served only over HTTP is proxied as it came (the run ends here); else it needs token ids
+    prepare  the chat template and the tokenizer (or a TITO turn's incremental prompt): one input per prompt
+    execute  each prompt's rollout: placed (directly or through the routing loop), generated, looped back
+             after a weight-sync abort until it ends; a stream is only started here
+    record   a TITO turn's sampled ids go to its session
+    respond  the API's JSON object, or its SSE events as the stream is read
+
+The instance is chosen inside `execute` (psrl.router.dispatch, psrl.router.selector), because a looped-back
+request is placed again at each iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from psrl import apis as A
+from psrl.apis import ApiShapeError
+from psrl.router.asgi import StreamingResponse, json_response
+from psrl.router.config import RouterConfig
+from psrl.router.dispatch import Dispatcher, Rollout
+from psrl.router.errors import BadRequest, ModelNotFound, WorkerUnavailable
+from psrl.router.http_backend import HttpWorkers
+from psrl.router.metadata import parse_routing_meta
+from psrl.router.metrics import RouterMetrics
+from psrl.router.pipeline import parse as P
+from psrl.router.pipeline import respond as R
+from psrl.router.pipeline.context import Generation, GenerationInput, routed_experts_start
+from psrl.router.pipeline.prepare import chat_prompt_ids, new_request_id, text_prompt_ids
+from psrl.router.pipeline.runner import Pipeline, RequestContext, Stage
+from psrl.router.pipeline.stops import output_text
+from psrl.router.pipeline.stream import (
+    ApiWriter,
+    MessagesWriter,
+    ResponsesWriter,
+    StreamStart,
+    chat_events,
+    completion_events,
+    converted_events,
+)
+from psrl.router.pipeline.tool_calls import NoToolParser, ParsedOutput, ToolCallParser
+from psrl.router.pipeline.tool_choice import explaining_refusal, require_parser
+from psrl.router.policies.base import Policy, SelectionRequest
+from psrl.router.registry import WorkerRegistry
+from psrl.router.tito_bridge import TitoBridge
+from psrl.router.tokenizers import TokenizerStore
+from psrl.serving import may_hold_surrogates
+from psrl.tokenizer import Tokenizer
+
+_NO_TOOL_PARSER = NoToolParser()
+
+
+@dataclass
+class Services:
+    """What the stages use: the router's long-lived parts."""
+
+    config: RouterConfig
+    registry: WorkerRegistry
+    dispatcher: Dispatcher
+    tokenizers: TokenizerStore
+    http: HttpWorkers
+    tito: TitoBridge
+    tool_parser: ToolCallParser
+    metrics: RouterMetrics
+    policy: Policy
+
+    def needs_tokens(self, model: str) -> bool:
+        """Whether `model` has gRPC workers (token ids in, token ids out); else it is proxied over HTTP."""
+        return any(w.connection_mode == "grpc" for w in self.registry.serving(model))
+
+    def tool_parser_for(self, chat: P.ChatRequest) -> ToolCallParser:
+        # Tool calls are parsed out only when the request offered tools, as vLLM does with a parser enabled.
+        return self.tool_parser if chat.tools else _NO_TOOL_PARSER
+
+    def reply_of(self, chat: P.ChatRequest, tok: Tokenizer, gen: Generation) -> ParsedOutput:
+        return self.tool_parser_for(chat).parse(output_text(tok, gen, chat.sampling))
+
+
+@dataclass(frozen=True)
+class ChatShape:
+    """An API other than chat completions that runs the chat pipeline: its body becomes a chat body, the
+    completion is shaped back, and `writer` spells its stream's events."""
+
+    to_chat: Callable[[dict[str, Any]], dict[str, Any]]
+    from_chat: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]]
+    writer: Callable[[StreamStart], ApiWriter]
+
+
+RESPONSES = ChatShape(A.responses_to_chat, A.chat_to_response, ResponsesWriter)
+MESSAGES = ChatShape(A.messages_to_chat, lambda completion, _: A.chat_to_message(completion), MessagesWriter)
+
+StageFn = Callable[[Services, RequestContext], Awaitable[None]]
+
+
+# ---- read ------------------------------------------------------------------------------------------------
+
+
+def resolve_model(registry: WorkerRegistry, model: str | None) -> str:
+    """The served model a request asks for; with no `model` field, the only (or first) one served."""
+    served = registry.models()
+    if not served:
+        raise WorkerUnavailable("no workers are registered")
+    if model is None:
+        return served[0]
+    if model not in served:
+        raise ModelNotFound(f"The model `{model}` does not exist. Served: {', '.join(served)}", param="model")
+    return model
+
+
+async def _read_body(s: Services, ctx: RequestContext) -> None:
+    ctx.raw = await ctx.http.body()
+    ctx.body = P.parse_json_body(ctx.raw, s.config.max_payload_bytes)
+    ctx.meta = parse_routing_meta(ctx.http.headers)
+    ctx.created = int(time.time())
+
+
+def read_chat(shape: ChatShape | None) -> StageFn:
+    async def read(s: Services, ctx: RequestContext) -> None:
+        await _read_body(s, ctx)
+        chat_body = ctx.body
+        if shape is not None:
+            try:
+                chat_body = shape.to_chat(ctx.body)
+            except ApiShapeError as e:
+                raise BadRequest(e.message, param=e.param) from None
+        chat = P.parse_chat(chat_body, check_texts=may_hold_surrogates(ctx.raw))
+        if shape is not None:
+            chat.stream = P.get_bool(ctx.body, "stream", False)
+        ctx.chat = chat
+        ctx.model = resolve_model(s.registry, chat.model)
+        ctx.request_id = new_request_id("chatcmpl")
+        ctx.turn = TitoBridge.turn_of(ctx.http.headers) if s.config.tito.enable_tito else None
+
+    return read
+
+
+async def read_completion(s: Services, ctx: RequestContext) -> None:
+    await _read_body(s, ctx)
+    ctx.completion = P.parse_completion(ctx.body)
+    ctx.model = resolve_model(s.registry, ctx.completion.model)
+    ctx.request_id = new_request_id("cmpl")
+
+
+async def read_generate(s: Services, ctx: RequestContext) -> None:
+    await _read_body(s, ctx)
+    ctx.generate = P.parse_generate(ctx.body)
+    ctx.model = resolve_model(s.registry, ctx.generate.model)
+
+
+# ---- route -----------------------------------------------------------------------------------------------
+
+
+async def route(s: Services, ctx: RequestContext) -> None:
+    if s.needs_tokens(ctx.model):
+        return
+    if ctx.turn is not None:
+        raise BadRequest(f"TITO needs gRPC workers; model {ctx.model!r} is served only over HTTP")
+    text: str | None = None  # what prefix-aware policies match on without token ids
+    if ctx.chat is not None:
+        stream = ctx.chat.stream
+        if s.policy.needs_text:
+            text = "".join(m["content"] for m in ctx.chat.messages)
+    else:
+        assert ctx.completion is not None
+        first, stream = ctx.completion.prompts[0], ctx.completion.stream
+        if s.policy.needs_text and isinstance(first, str):
+            text = first
+    request = SelectionRequest(ctx.request_id, ctx.model, (), text, ctx.meta.routing_key)
+    ticket = await s.dispatcher.acquire(ctx.model, ctx.meta, request)
+    ctx.response = await s.http.proxy(ctx.route, ticket, ctx.raw, ctx.http.headers, stream, s.dispatcher.finish)
+
+
+# ---- prepare ---------------------------------------------------------------------------------------------
+
+
+async def prepare_chat(s: Services, ctx: RequestContext) -> None:
+    chat = ctx.chat
+    assert chat is not None
+    require_parser(chat.tool_choice, not isinstance(s.tool_parser, NoToolParser))
+    tok = ctx.tokenizer = await s.tokenizers.get(ctx.model)
+    if ctx.turn is None:
+        prompt = await chat_prompt_ids(chat, tok)
+        ctx.inputs = [GenerationInput(ctx.request_id, prompt, chat.sampling, chat.stream)]
+        return
+    prepared, gen = await s.tito.begin_turn(ctx.turn, chat, model=ctx.model, tokenizer=tok, request_id=ctx.request_id)
+    ctx.tito, ctx.inputs = prepared, [gen]
+    ctx.on_failure["tito"] = lambda: s.tito.abandon(prepared)
+
+
+async def prepare_completion(s: Services, ctx: RequestContext) -> None:
+    req = ctx.completion
+    assert req is not None
+    tok = ctx.tokenizer = await s.tokenizers.get(ctx.model)
+    for i, prompt in enumerate(req.prompts):
+        request_id = ctx.request_id if len(req.prompts) == 1 else f"{ctx.request_id}-{i}"
+        ctx.inputs.append(GenerationInput(request_id, await text_prompt_ids(prompt, tok), req.sampling, req.stream))
+
+
+def _detokenize(body: dict[str, Any]) -> bool:
+    return (body.get("sampling_params") or {}).get("detokenize", True) is not False
+
+
+async def prepare_generate(s: Services, ctx: RequestContext) -> None:
+    req = ctx.generate
+    assert req is not None
+    if _detokenize(ctx.body) or any(isinstance(p, str) for p in req.prompts):
+        ctx.tokenizer = await s.tokenizers.get(ctx.model)
+    routed_start = routed_experts_start(ctx.body)
+    tok = ctx.tokenizer
+    for prompt, request_id in zip(req.prompts, req.request_ids, strict=True):
+        ids = await text_prompt_ids(prompt, tok, "text") if isinstance(prompt, str) and tok else prompt
+        assert isinstance(ids, list)
+        if routed_start is not None and routed_start > len(ids):
+            raise BadRequest(
+                f"routed_experts_start_len ({routed_start}) exceeds the prompt's {len(ids)} tokens",
+                param="routed_experts_start_len",
+            )
+        rid = request_id or new_request_id("gen")
+        ctx.inputs.append(GenerationInput(rid, ids, req.sampling, False, routed_experts_start=routed_start))
+
+
+# ---- execute ---------------------------------------------------------------------------------------------
+
+
+async def execute(s: Services, ctx: RequestContext) -> None:
+    """Each prompt's rollout, concurrently; the first failure cancels the others. A stream (one prompt) is only
+    started: its deltas are read as the response is sent."""
+    refusal = explaining_refusal(ctx.chat.tool_choice) if ctx.chat is not None else contextlib.nullcontext()
+    with refusal:
+        if ctx.stream:
+            rollout = Rollout(s.dispatcher, ctx.model, ctx.meta, ctx.inputs[0])
+            ctx.first_ticket = await rollout.start()
+            ctx.rollouts = [rollout]
+            return
+        rollouts = [Rollout(s.dispatcher, ctx.model, ctx.meta, gen) for gen in ctx.inputs]
+
+        async def run(rollout: Rollout) -> list[Generation]:
+            ticket = await rollout.start()
+            if rollout is rollouts[0]:
+                ctx.first_ticket = ticket
+            return await rollout.collect()
+
+        ctx.results = await _gather_or_raise([run(r) for r in rollouts])
+        ctx.rollouts = rollouts
+
+
+async def _gather_or_raise(coros: list) -> list:
+    """Run a batch concurrently; the first failure cancels the rest and is raised."""
+    if len(coros) == 1:  # the common case: no task to create
+        return [await coros[0]]
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+# ---- record ----------------------------------------------------------------------------------------------
+
+
+async def record(s: Services, ctx: RequestContext) -> None:
+    if ctx.tito is None:
+        return
+    assert ctx.chat is not None and ctx.tokenizer is not None
+    del ctx.on_failure["tito"]  # from here on the turn is recorded, or the record abandons it itself
+    [rollout], [[gen]] = ctx.rollouts, ctx.results
+    assert rollout.ticket is not None
+    ctx.outputs = [s.reply_of(ctx.chat, ctx.tokenizer, gen)]
+    await s.tito.finish_turn(
+        ctx.tito,
+        gen,
+        token_versions=rollout.states[0].token_versions,
+        instance=rollout.ticket.instance,
+        reply=ctx.outputs[0],
+    )
+
+
+# ---- respond ---------------------------------------------------------------------------------------------
+
+
+def _streaming(s: Services, ctx: RequestContext, events: AsyncIterator[bytes]) -> StreamingResponse:
+    """The SSE response, timing its first event and its end."""
+    start = ctx.http.arrived
+
+    async def body() -> AsyncIterator[bytes]:
+        first = True
+        try:
+            async for event in events:
+                if first:
+                    s.metrics.first_token(ctx.route, time.perf_counter() - start)
+                    first = False
+                yield event
+        finally:
+            s.metrics.stream_done(ctx.route, time.perf_counter() - start)
+
+    assert ctx.first_ticket is not None
+    return StreamingResponse(body(), media_type="text/event-stream", headers=R.instance_headers(ctx.first_ticket))
+
+
+def respond_chat(shape: ChatShape | None) -> StageFn:
+    async def respond(s: Services, ctx: RequestContext) -> None:
+        chat, tok = ctx.chat, ctx.tokenizer
+        assert chat is not None and tok is not None
+        parser = s.tool_parser_for(chat)
+        if ctx.stream:
+            [rollout] = ctx.rollouts
+            prompt_tokens = len(ctx.inputs[0].prompt_ids)
+            if shape is None:
+                events = chat_events(
+                    rollout,
+                    tok,
+                    chat,
+                    parser,
+                    request_id=ctx.request_id,
+                    created=ctx.created,
+                    model=ctx.model,
+                    prompt_tokens=prompt_tokens,
+                )
+            else:
+                start = StreamStart(ctx.body, ctx.request_id, ctx.created, ctx.model, prompt_tokens)
+                events = converted_events(rollout, tok, chat, parser, shape.writer(start), ctx.request_id)
+            ctx.response = _streaming(s, ctx, events)
+            return
+        [gens] = ctx.results
+        outputs = ctx.outputs if ctx.outputs is not None else [s.reply_of(chat, tok, g) for g in gens]
+        choices = []
+        for i, (gen, output) in enumerate(zip(gens, outputs, strict=True)):
+            lps = R.chat_logprobs(tok, gen.output_ids, gen.logprobs, gen.top_logprobs) if chat.logprobs else None
+            choices.append(R.chat_choice(i, output, gen, lps, chat.tool_choice.named))
+        out = R.chat_completion(
+            request_id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices, gens=gens
+        )
+        body = out if shape is None else shape.from_chat(out, ctx.body)
+        ctx.response = json_response(body, headers=R.instance_headers(ctx.headers_ticket))
+
+    return respond
+
+
+async def respond_completion(s: Services, ctx: RequestContext) -> None:
+    req, tok = ctx.completion, ctx.tokenizer
+    assert req is not None and tok is not None
+    if ctx.stream:
+        [rollout] = ctx.rollouts
+        events = completion_events(
+            rollout,
+            tok,
+            req,
+            request_id=ctx.request_id,
+            created=ctx.created,
+            model=ctx.model,
+            prompt_tokens=len(ctx.inputs[0].prompt_ids),
+        )
+        ctx.response = _streaming(s, ctx, events)
+        return
+    choices: list[dict[str, Any]] = []
+    for gens in ctx.results:  # prompt-major, as vLLM numbers them
+        for gen in gens:
+            lps = R.completion_logprobs(tok, gen.output_ids, gen.logprobs, gen.top_logprobs)
+            choices.append(R.completion_choice(len(choices), output_text(tok, gen, req.sampling), gen, lps))
+    out = R.completion(
+        request_id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices, prompts=ctx.results
+    )
+    ctx.response = json_response(out, headers=R.instance_headers(ctx.headers_ticket))
+
+
+async def respond_generate(s: Services, ctx: RequestContext) -> None:
+    req, tok = ctx.generate, ctx.tokenizer
+    assert req is not None
+    text_of = tok is not None and _detokenize(ctx.body)
+    outputs = []
+    for gen_in, rollout, gens in zip(ctx.inputs, ctx.rollouts, ctx.results, strict=True):
+        for i, (gen, state) in enumerate(zip(gens, rollout.states, strict=True)):
+            out = R.generate_output(
+                request_id=gen_in.request_id if len(gens) == 1 else f"{gen_in.request_id}-{i}",
+                gen=gen,
+                weight_version=state.weight_version,
+                prompt_ids=gen_in.prompt_ids,
+                return_logprob=req.return_logprob,
+                return_prompt_token_ids=req.return_prompt_token_ids,
+                text=output_text(tok, gen, req.sampling) if text_of and tok else None,
+                token_versions=state.token_versions,
+                return_routed_experts=gen_in.routed_experts_start is not None,
+            )
+            outputs.append(out)
+    # SGLang's shape: one object per prompt; n > 1 makes a flat list of every prompt's n samples, prompt-major.
+    payload: Any = outputs if req.batched or req.sampling.n > 1 else outputs[0]
+    ctx.response = json_response(payload, headers=R.instance_headers(ctx.headers_ticket))
+
+
+# ---- each endpoint kind's stages -------------------------------------------------------------------------
+
+
+def chat_pipeline(kind: str, shape: ChatShape | None = None) -> Pipeline[Services]:
+    """Chat completions, and the APIs that convert to a chat request (Responses, Messages)."""
+    return Pipeline(
+        kind,
+        [
+            Stage("read", read_chat(shape)),
+            Stage("route", route),
+            Stage("prepare", prepare_chat),
+            Stage("execute", execute),
+            Stage("record", record),
+            Stage("respond", respond_chat(shape)),
+        ],
+    )
+
+
+CHAT = chat_pipeline("chat")
+RESPONSES_PIPELINE = chat_pipeline("responses", RESPONSES)
+MESSAGES_PIPELINE = chat_pipeline("messages", MESSAGES)
+COMPLETION = Pipeline(
+    "completion",
+    [
+        Stage("read", read_completion),
+        Stage("route", route),
+        Stage("prepare", prepare_completion),
+        Stage("execute", execute),
+        Stage("respond", respond_completion),
+    ],
+)
+GENERATE = Pipeline(  # token ids in and out: gRPC workers only, so no route stage
+    "generate",
+    [
+        Stage("read", read_generate),
+        Stage("prepare", prepare_generate),
+        Stage("execute", execute),
+        Stage("respond", respond_generate),
+    ],
+)
