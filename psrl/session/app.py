@@ -23,6 +23,7 @@ from psrl.session.config import SessionConfig
 from psrl.session.state import (
     RANK_HEADER,
     WORKER_HEADER,
+    HangState,
     SessionState,
     SessionStore,
     TrajectoryStrategy,
@@ -249,7 +250,7 @@ class SessionRouter:
         state = self.sessions.get(sid)
         was_hung = False
         if state is not None:
-            was_hung = state.hang_state == "hung" or state.marked_for_hang
+            was_hung = state.hang_state == HangState.HUNG or state.marked_for_hang
             state.start_closing()
             await state.drained.wait()
         try:
@@ -271,7 +272,7 @@ class SessionRouter:
         begin_turn, so a hang or close cannot slip in between."""
         if state.closing:
             raise SessionClosing("session is closing")
-        while state.hang_state == "hung" and not state.closing:
+        while state.hang_state == HangState.HUNG and not state.closing:
             await state.continue_event.wait()
         if state.closing:
             raise SessionClosing("session is closing")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, Literal
 
 SESSION_HEADER = "x-smg-tito-session-id"
@@ -43,7 +44,14 @@ _NOT_FORWARDED = frozenset(
     }
 )
 
-HangState = Literal["running", "hung"]
+
+class HangState(StrEnum):
+    """Whether a session may run turns (its JSON value is the string)."""
+
+    RUNNING = "running"
+    HUNG = "hung"
+
+
 TrajectoryStrategy = Literal["manual", "auto"]
 
 
@@ -77,7 +85,7 @@ class SessionState:
     target_dp_rank: str | None = None
     version_tag: str | None = None
     total_tokens: int = 0
-    hang_state: HangState = "running"
+    hang_state: HangState = HangState.RUNNING
     marked_for_hang: bool = False
     pin_once_instance: tuple[str, str] | None = None
     # Set while the session may run turns; cleared while hung.
@@ -142,7 +150,7 @@ class SessionState:
     # ---- hang / continue ------------------------------------------------------------------------------
 
     def hang(self) -> None:
-        self.hang_state = "hung"
+        self.hang_state = HangState.HUNG
         self.marked_for_hang = False
         self.continue_event.clear()
 
@@ -156,7 +164,7 @@ class SessionState:
 
     def resume(self, base_worker_id: str | None = None, target_dp_rank: str | None = None) -> None:
         """Continue; with both ids, the next turn (only) is force-pinned to that instance."""
-        self.hang_state = "running"
+        self.hang_state = HangState.RUNNING
         self.marked_for_hang = False
         if base_worker_id is not None and target_dp_rank is not None:
             self.pin_once_instance = (base_worker_id, target_dp_rank)
@@ -165,7 +173,7 @@ class SessionState:
     def start_closing(self) -> None:
         self.closing = True
         self.marked_for_hang = False
-        self.hang_state = "running"
+        self.hang_state = HangState.RUNNING
         self.continue_event.set()  # a waiting turn wakes up and sees `closing`
 
     def summary(self) -> dict[str, Any]:
