@@ -1,4 +1,9 @@
-"""RolloutCoordinator: training code's client for weight syncs and stats pushes against the gateway."""
+"""RolloutCoordinator: training code's client for weight syncs and stats pushes against the gateway.
+
+It talks HTTP to the router and gRPC (ReplicaControl, GetLoads) to each replica at the address the replica
+registered, so the trainer must reach every replica's gRPC port, and it needs the full install (grpcio and the
+protobuf stubs), not `[client]`.
+"""
 
 from psrl.coordinator.coordinator import (
     BlockingRolloutCoordinator,

@@ -6,15 +6,14 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import grpc
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from psrl._proto import replica_control_pb2 as rc
-from psrl.gateway.launcher import GatewayConfig
-from psrl.gateway.launcher import parse_args as gateway_args
+from psrl.gateway.config import GatewayConfig
+from psrl.gateway.config import parse_args as gateway_args
 from psrl.worker.admission import AdmissionGate
-from psrl.worker.server import parse_args
+from psrl.worker.config import parse_args
 from psrl.worker.vllm_control import VllmReplicaControl, checkpoint_dir
 from psrl.worker.vllm_replica import FinalOnly, kv_migration_off_reason, vllm_argv
 
@@ -243,16 +242,3 @@ async def test_load_weights_from_a_file_keeps_its_folder_until_the_next_load(tmp
     with pytest.raises(_Refused, match="no such weights file"):
         await control.LoadWeights(rc.LoadWeightsRequest(version=3, path=str(tmp_path / "nope")), _Context())
     assert control.weight_version == 2
-
-
-def test_a_sync_failure_says_why() -> None:
-    from grpc.aio import AioRpcError, Metadata
-
-    from psrl.coordinator.coordinator import _failure_reason
-
-    unimplemented = AioRpcError(grpc.StatusCode.UNIMPLEMENTED, Metadata(), Metadata(), "Method not found!")
-    assert "does not serve psrl.control.ReplicaControl" in _failure_reason(unimplemented)
-    assert "--engine vllm" in _failure_reason(unimplemented)
-    refused = AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, Metadata(), Metadata(), "cannot load /x")
-    assert _failure_reason(refused) == "INVALID_ARGUMENT: cannot load /x"
-    assert _failure_reason(TimeoutError("late")) == "TimeoutError: late"
