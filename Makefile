@@ -18,7 +18,7 @@ SMG_SERVICER_SPEC ?= smg-grpc-servicer==0.14.1
 MINI_SWE_AGENT_SPEC ?= mini-swe-agent==2.4.6
 PYTEST_ARGS ?=
 
-.PHONY: run test install install-dev install-vllm build lint pytest pytest-fuzz pytest-vllm pytest-slow proto bench clean
+.PHONY: run test install install-dev install-vllm build lint pytest pytest-fuzz pytest-vllm pytest-slow proto docs bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,13 +31,13 @@ $(VENV)/.torch: | $(VENV)/bin/python
 # Build the package (and the psrl._kvx extension) in place; CUDA sources compile when nvcc is found.
 build: $(VENV)/.torch
 	$(PIP) install --quiet "scikit-build-core>=0.10" "pybind11>=2.12"
-	$(PIP) install --quiet --no-build-isolation -e .
+	$(PIP) install --quiet --no-build-isolation -e ".[gateway]"
 
 install: build
 
 install-dev: $(VENV)/.torch
 	$(PIP) install --quiet "scikit-build-core>=0.10" "pybind11>=2.12"
-	$(PIP) install --quiet --no-build-isolation -e ".[dev]"
+	$(PIP) install --quiet --no-build-isolation -e ".[gateway,dev]"
 
 $(VENV)/.vllm: | $(VENV)/.torch
 	$(PY) -c "import vllm, smg_grpc_servicer" 2>/dev/null || { \
@@ -79,9 +79,13 @@ test: lint pytest pytest-fuzz pytest-vllm pytest-slow
 proto: install-dev
 	$(PY) proto/gen_stubs.py
 
+# docs/configuration.md, generated from the settings declarations (a test fails when it is stale).
+docs: install-dev
+	$(PY) -m psrl.settings > docs/configuration.md
+
 bench: $(VENV)/.torch
 	$(PIP) install --quiet "scikit-build-core>=0.10" "pybind11>=2.12"
-	$(PIP) install --quiet --no-build-isolation -e ".[bench]"
+	$(PIP) install --quiet --no-build-isolation -e ".[gateway,bench]"
 	$(PY) bench/kv_migrate.py
 
 clean:
