@@ -80,6 +80,38 @@ def test_interrupted_request_finishes_elsewhere_with_identical_tokens(fleet) -> 
     assert len(out["meta_info"]["output_token_versions"]) == n
 
 
+def test_a_non_streamed_answer_names_the_instance_that_finished_it(fleet) -> None:
+    """The response headers (what PSRL replays as the next turn's hint and version floor) name the last instance
+    that served the request, not the one it started on."""
+    router, a, b = fleet
+    n = 600
+    body = {"prompt": PROMPT, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    result: dict = {}
+    t = threading.Thread(
+        target=lambda: result.update(
+            r=httpx.post(f"{router.url}/v1/completions", json=body, headers=_psrl(5), timeout=120)
+        )
+    )
+    t.start()
+    wait_for(lambda: replica_busy(a.url) + replica_busy(b.url) > 0, "a replica runs the request")
+    source = a if replica_busy(a.url) else b
+    [source_id] = [w["id"] for w in httpx.get(f"{router.url}/workers").json()["workers"] if w["url"] == source.url]
+    httpx.post(f"{router.url}/workers/pause", json=[{"base_worker_id": source_id}])
+    with grpc.insecure_channel(source.url.removeprefix("grpc://")) as ch:  # what a weight sync does there
+        control = replica_control_pb2_grpc.ReplicaControlStub(ch)
+        assert (
+            len(control.PauseGeneration(replica_control_pb2.PauseGenerationRequest(), timeout=10).aborted_request_ids)
+            == 1
+        )
+        t.join(120)
+        control.ResumeGeneration(replica_control_pb2.ResumeGenerationRequest(), timeout=10)
+    httpx.post(f"{router.url}/workers/resume", json=[{"base_worker_id": source_id}])
+    r = result["r"]
+    assert r.status_code == 200, r.text
+    assert r.headers["x-base-worker-id"] != source_id  # it finished on the other replica
+    assert r.json()["usage"]["completion_tokens"] == n
+
+
 def test_each_interrupted_choice_finishes_elsewhere_with_identical_tokens(fleet, tokenizer) -> None:
     """n = 2 with top_k 1 (sampled, so n > 1 is allowed, yet every choice is the greedy run): both choices are
     interrupted together and each continues on its own on the other replica, streamed as one response."""
