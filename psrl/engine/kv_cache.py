@@ -34,7 +34,8 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
 
 
 class PagedKVCache:
-    """Per layer one contiguous tensor `[2, num_blocks, block_size, num_kv_heads, head_dim]` (0 = K, 1 = V).
+    """Per layer one contiguous tensor `[2, num_blocks, block_size, num_kv_heads, head_size]` (0 = K, 1 = V),
+    in psrl.kv's vocabulary (head_size: the model config's HF `head_dim`).
 
     Kept as plain contiguous tensors so the block gather/scatter extension (psrl._kvx) can address them.
     """
@@ -45,12 +46,12 @@ class PagedKVCache:
         self.block_size = cache_config.block_size
         self.num_blocks = cache_config.num_blocks
         self.num_kv_heads = model_config.num_key_value_heads
-        self.head_dim = model_config.head_dim
-        shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.head_size = model_config.head_dim
+        shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_size)
         self.layers: list[torch.Tensor] = [
             torch.zeros(shape, dtype=model_config.dtype, device=device) for _ in range(model_config.num_hidden_layers)
         ]
 
     @property
     def block_shape(self) -> tuple[int, int, int]:
-        return (self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.block_size, self.num_kv_heads, self.head_size)
