@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import httpx
 import pytest
-from _procs import free_port, start_psmanager, start_replica, start_router
+from _procs import free_port, start_psmanager, start_replica, start_router, wait_for
 
 from psrl.gateway.processes import stop_processes
 from psrl.psmanager.client import PSManagerClient
@@ -81,11 +80,15 @@ def test_psmanager_down_then_back_loses_nothing(stack, log_dir) -> None:
     threads = [threading.Thread(target=send, args=(300 + i,)) for i in range(8)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 30
-    while httpx.get(f"{router.url}/routing_loop/status").json()["queue_len"] < 8:
-        assert time.monotonic() < deadline, "requests did not wait in the queue"
-        time.sleep(0.05)
-    time.sleep(0.5)
+    wait_for(
+        lambda: httpx.get(f"{router.url}/routing_loop/status").json()["queue_len"] == 8,
+        "the 8 requests wait in the routing loop's queue",
+    )
+    tried = router.log_text().count("failed; it stays queued")
+    wait_for(
+        lambda: router.log_text().count("failed; it stays queued") >= tried + 16,
+        "the loop tried to place each of them again, twice on average, while the PSManager was away",
+    )
     assert not results  # nothing answered (wrongly) while the PSManager was away
     state["psm"] = start_psmanager(log_dir, port=port, args=CAPACITY)
     for t in threads:
