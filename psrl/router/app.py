@@ -44,7 +44,7 @@ _json = json_response
 
 
 class RouterApp:
-    """Owns the registry, channel pools, selector, tokenizers and metrics; builds the Starlette app."""
+    """Owns the registry, channel pools, selector, tokenizers and metrics; builds the router's `asgi.App`."""
 
     def __init__(self, config: RouterConfig) -> None:
         config.validate()
@@ -145,8 +145,8 @@ class RouterApp:
             (path, "POST", self._runs(path, pipeline), data)
             for path, pipeline in [
                 ("/v1/chat/completions", stages.CHAT),
-                ("/v1/responses", stages.RESPONSES_PIPELINE),
-                ("/v1/messages", stages.MESSAGES_PIPELINE),
+                ("/v1/responses", stages.RESPONSES),
+                ("/v1/messages", stages.MESSAGES),
                 ("/v1/completions", stages.COMPLETION),
                 ("/generate", stages.GENERATE),
             ]

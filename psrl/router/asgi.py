@@ -10,6 +10,7 @@ so the pipeline aborts the replica's work and releases the instance at once.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import time
@@ -117,7 +118,7 @@ class StreamingResponse:
     """Sends chunks as the iterator yields them; a client that disconnects cancels the iterator, so its
     `finally` blocks (releasing the instance, cancelling the upstream call) run at once."""
 
-    __slots__ = ("chunks", "headers", "media_type", "status_code")
+    __slots__ = ("_pulled", "chunks", "headers", "media_type", "status_code")
 
     def __init__(
         self,
@@ -127,6 +128,7 @@ class StreamingResponse:
         headers: dict[str, str] | None = None,
     ) -> None:
         self.chunks = chunks
+        self._pulled = False  # whether iterating began (the iterator's body runs from then on)
         self.status_code = status_code
         self.media_type = media_type
         self.headers = headers
@@ -139,6 +141,7 @@ class StreamingResponse:
                 "headers": _raw_headers(self.media_type, self.headers, None),
             }
         )
+        self._pulled = True
         async for chunk in self.chunks:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -150,11 +153,24 @@ class StreamingResponse:
         finally:
             streamer.cancel()  # a no-op when it finished; otherwise the client left (or we are being cancelled)
             await asyncio.gather(streamer, return_exceptions=True)
-            aclose = getattr(self.chunks, "aclose", None)
-            if aclose is not None:
-                await aclose()  # runs the iterator's `finally` even if it was parked at a `yield`
+            await _close(self.chunks, self._pulled)
         if not streamer.cancelled() and streamer.exception() is not None:
             raise streamer.exception()  # type: ignore[misc]
+
+
+async def _close(chunks: AsyncIterator[bytes], pulled: bool) -> None:
+    """Run the iterator's `finally` blocks, whether it is parked at a `yield` or was never started. Closing an
+    async generator before its first step skips its body, and with it the release of what its source holds (a
+    ticket, an upstream call): so one that was never pulled is started, then cancelled at its first wait (or
+    closed at its first yield)."""
+    if not pulled and inspect.isasyncgen(chunks):
+        first = asyncio.ensure_future(anext(chunks))
+        await asyncio.sleep(0)  # the task takes its first step before this returns
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+    aclose = getattr(chunks, "aclose", None)
+    if aclose is not None:
+        await aclose()
 
 
 AnyResponse = Response | StreamingResponse

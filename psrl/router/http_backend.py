@@ -126,8 +126,8 @@ class HttpWorkers:
             return Response(up.body, status_code=up.status, media_type=ctype, headers=instance_headers(ticket))
         try:
             head, chunks = await self.stream(worker, route, raw, headers)
-        except RouterError as e:
-            finish(ticket, e)
+        except BaseException as e:  # also cancelled (the client left before the upstream answered)
+            finish(ticket, e if isinstance(e, RouterError) else None)
             raise
 
         async def relay() -> AsyncIterator[bytes]:

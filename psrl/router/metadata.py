@@ -65,7 +65,7 @@ def _bool(headers: Mapping[str, str], name: str) -> bool:
 
 
 def parse_routing_meta(headers: Mapping[str, str]) -> RoutingMeta:
-    """Read the PSRL headers from a case-insensitive mapping (Starlette's Headers)."""
+    """Read the PSRL headers from a case-insensitive mapping (the router's asgi.Request headers: lower-case names)."""
     request_id = _int(headers, "x-request-id")
     prompt_id = _int(headers, "x-prompt-id")
     version = _int(headers, "x-version-tag")

@@ -169,8 +169,9 @@ class RouterMetrics:
     def first_token(self, route: str, seconds: float) -> None:
         self._child(self.ttft, route).observe(seconds)
 
-    def selected(self, stage: str, chosen: bool) -> None:
-        self._child(self.selections, stage, "chosen" if chosen else "none").inc()
+    def selected(self, step: str, chosen: bool) -> None:
+        """One selection, by the step that decided it (the metric's `stage` label, kept for dashboards)."""
+        self._child(self.selections, step, "chosen" if chosen else "none").inc()
 
     def kv_transfer(self, moved_tokens: int) -> None:
         """One loop-back dispatched with KV transfer params; the replica reported `moved_tokens` moved in."""

@@ -13,6 +13,7 @@ import grpc
 import httpx
 
 from psrl.router.background import BackgroundLoops
+from psrl.router.config import ConnectionMode
 from psrl.router.errors import BadRequest, WorkerUnavailable
 from psrl.router.http_backend import HttpWorkers
 from psrl.router.pipeline import parse as P
@@ -29,7 +30,7 @@ class Registration:
     """A checked POST /workers body."""
 
     url: str
-    mode: str  # grpc | http
+    mode: ConnectionMode
     netloc: str  # host:port
     labels: dict[str, str]
     worker_id: str | None
@@ -41,16 +42,18 @@ def parse_registration(body: dict[str, Any]) -> Registration:
     url = P.get_str(body, "url", None)
     if not url:
         raise BadRequest("'url' is required", param="url")
-    mode = P.get_str(body, "connection_mode", None) or ("http" if url.startswith("http") else "grpc")
-    if mode not in ("grpc", "http"):
-        raise BadRequest(f"connection_mode must be grpc or http, got {mode!r}", param="connection_mode")
-    form = "grpc://host:port" if mode == "grpc" else "http://host:port"
+    raw_mode = P.get_str(body, "connection_mode", None) or ("http" if url.startswith("http") else "grpc")
+    try:
+        mode = ConnectionMode(raw_mode)
+    except ValueError:
+        raise BadRequest(f"connection_mode must be grpc or http, got {raw_mode!r}", param="connection_mode") from None
+    form = "grpc://host:port" if mode is ConnectionMode.GRPC else "http://host:port"
     try:
         parts = urlsplit(url)
         port = parts.port  # a port that is not a number, or past 65535, raises here
     except ValueError as e:
         raise BadRequest(f"'url' must look like {form}, got {url!r}: {e}", param="url") from None
-    scheme_ok = parts.scheme == "grpc" if mode == "grpc" else parts.scheme in ("http", "https")
+    scheme_ok = parts.scheme == "grpc" if mode is ConnectionMode.GRPC else parts.scheme in ("http", "https")
     if not scheme_ok or not parts.hostname or not port:
         raise BadRequest(f"'url' must look like {form} for connection_mode {mode}, got {url!r}", param="url")
     labels = body.get("labels") or {}
@@ -94,7 +97,7 @@ class Registrar:
     async def register(self, body: dict[str, Any]) -> Worker:
         reg = parse_registration(body)
         url, labels = reg.url, reg.labels
-        if reg.mode == "grpc":
+        if reg.mode is ConnectionMode.GRPC:
             try:
                 facts = await self.clients.facts(reg.netloc, self.connect_timeout_s)
             except grpc.aio.AioRpcError as e:
@@ -139,7 +142,7 @@ class Registrar:
             label_weight_version=reg.weight_version,
         )
         self.background.watch_worker(worker)
-        if reg.mode == "grpc":
+        if reg.mode is ConnectionMode.GRPC:
             self._spawn(self.tokenizers.prefetch(names[0]))
         logger.info("registered %s worker %s at %s (dp_size=%d, models=%s)", reg.mode, worker_id, url, dp_size, names)
         return worker
@@ -148,5 +151,5 @@ class Registrar:
         """A worker left the registry: stop watching it, and close its channel unless another entry shares it."""
         self.background.forget_worker(worker.worker_id)
         self.policy.on_worker_removed(worker.worker_id)
-        if worker.connection_mode == "grpc" and self.registry.by_url(worker.url) is None:
+        if worker.connection_mode is ConnectionMode.GRPC and self.registry.by_url(worker.url) is None:
             self._spawn(self.clients.drop(worker.target))

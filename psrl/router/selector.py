@@ -155,6 +155,7 @@ class Resolved:
 
     meta: RoutingMeta
     candidates: list[InstanceState]
+    pinned: Selection | None = None  # steps 2 and 3 decided: the hinted or group-pinned candidate
     admitted: list[InstanceState] | None = None  # None: not fetched (steps 1 to 3 decide)
     indicators: list[float] | None = None
 
@@ -205,13 +206,16 @@ class Selector:
         """Step 1, then the admission hook's data when the admission step will run (a hint or group pin
         decides without it). The only part of a selection that waits."""
         candidates = step_available(instances, meta, time.monotonic())
-        if not candidates or not self._psrl(meta) or self._pinned(candidates, meta) is not None:
+        if not candidates or not self._psrl(meta):
             return Resolved(meta, candidates)
+        pinned = self._pinned(candidates, meta)
+        if pinned is not None:
+            return Resolved(meta, candidates, pinned)
         admitted = await self.admission.admit(candidates, meta)
         indicators = None
         if admitted and self.config.candidate_sort_indicator == CandidateSortIndicator.RESERVE_CAPABILITY:
             indicators = await self.admission.indicators(admitted, meta)
-        return Resolved(meta, candidates, admitted, indicators)
+        return Resolved(meta, candidates, None, admitted, indicators)
 
     def select(self, resolved: Resolved, request: SelectionRequest) -> Selection:
         """Steps 2 to 5 over what `resolve` returned, in one go (call it right after `resolve`)."""
@@ -221,10 +225,12 @@ class Selector:
             return Selection(None, "available", f"no available instance{floor}")
         if not self._psrl(meta):
             return Selection(self.policy.select(candidates, request), "policy")
-        pinned = self._pinned(candidates, meta)
+        if resolved.pinned is not None:
+            return resolved.pinned
+        pinned = self._pinned(candidates, meta)  # a group pin written while the admission data was fetched
         if pinned is not None:
             return pinned
-        assert resolved.admitted is not None, "a pin resolve() saw is gone: select() runs right after it"
+        assert resolved.admitted is not None
         if not resolved.admitted:
             return Selection(None, "admission", "no instance's version can admit this request")
         for group in sort_into_groups(resolved.admitted, meta, resolved.indicators):

@@ -11,7 +11,7 @@ from psrl.router.app import RouterApp
 from psrl.router.config import RouterConfig, parse_args
 from psrl.router.errors import BadRequest
 from psrl.router.logs import configure_logging
-from psrl.serving import guarded_protocol
+from psrl.serving.protocol import guarded_protocol
 from psrl.serving.server import AnnouncingServer, run_server
 
 READY_MARKER = "PSRL_ROUTER_READY"

@@ -10,7 +10,7 @@ from typing import Any
 from psrl.router.errors import BadRequest, PayloadTooLarge
 from psrl.router.pipeline.context import SamplingSpec
 from psrl.router.pipeline.tool_choice import ConstrainedSampling, ToolChoice, hermes_structural_tag, parse_tool_choice
-from psrl.serving import JsonBodyError, loads_bounded
+from psrl.serving.json_body import JsonBodyError, loads_bounded
 from psrl.tokenizer import TEMPLATE_CALL_ARGS, lone_surrogate_at
 
 _MISSING = object()

@@ -58,7 +58,7 @@ def check_prompt(prompt_ids: list[int], sampling: SamplingSpec, max_context: int
     """Refuse before dispatch a prompt that (with max_tokens) does not fit the context.
 
     The message opens with OpenAI's (and older vLLM's) context-window wording, which client libraries match,
-    and ends with vLLM's "longer than the maximum model length", which PSRL matches (docs/compat.md section 4).
+    and ends with vLLM's "longer than the maximum model length", which PSRL matches (docs/compat.md, section 4).
     """
     prompt = len(prompt_ids)
     if not max_context:

@@ -53,11 +53,12 @@ class RequestContext:
     tokenizer: Tokenizer | None = None
     inputs: list[GenerationInput] = field(default_factory=list)
     tito: PreparedTurn | None = None
-    # execute: the rollouts (their placement and every iteration), each one's choices, the chat replies' parse
+    # execute: the rollouts (their placement and every iteration) and each one's choices
     rollouts: list[Rollout] = field(default_factory=list)
     results: list[list[Generation]] = field(default_factory=list)
+    first_ticket: Ticket | None = None  # a stream's first placement: its headers go out before it ends
+    # record: a TITO turn's reply, parsed once for its record and its answer
     outputs: list[ParsedOutput] | None = None
-    first_ticket: Ticket | None = None  # the first placement of the first prompt: a stream's headers
     # respond
     response: AnyResponse | None = None
     # Undo steps of stages that ran, by name, run newest first when a later stage fails (a TITO turn is
@@ -73,10 +74,9 @@ class RequestContext:
     def headers_ticket(self) -> Ticket:
         """The instance the response names (x-base-worker-id, x-version-tag): the last one that served the first
         prompt, or for a stream, whose headers go out first, the first."""
-        if self.stream or not self.rollouts or self.rollouts[0].ticket is None:
-            assert self.first_ticket is not None, "execute first"
-            return self.first_ticket
-        return self.rollouts[0].ticket
+        ticket = self.first_ticket if self.stream else self.rollouts[0].ticket
+        assert ticket is not None, "execute first"
+        return ticket
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@
     record   a TITO turn's sampled ids go to its session
     respond  the API's JSON object, or its SSE events as the stream is read
 
-The instance is chosen inside `execute` (psrl.router.dispatch, psrl.router.selector), because a looped-back
-request is placed again at each iteration.
+For gRPC workers the instance is chosen inside `execute` (psrl.router.dispatch, psrl.router.selector), because
+a looped-back request is placed again at each iteration; a request proxied over HTTP is placed once, in `route`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 from psrl import apis as A
 from psrl.apis import ApiShapeError
 from psrl.router.asgi import StreamingResponse, json_response
-from psrl.router.config import RouterConfig
+from psrl.router.config import ConnectionMode, RouterConfig
 from psrl.router.dispatch import Dispatcher, Rollout
 from psrl.router.errors import BadRequest, ModelNotFound, WorkerUnavailable
 from psrl.router.http_backend import HttpWorkers
@@ -51,10 +51,11 @@ from psrl.router.policies.base import Policy, SelectionRequest
 from psrl.router.registry import WorkerRegistry
 from psrl.router.tito_bridge import TitoBridge
 from psrl.router.tokenizers import TokenizerStore
-from psrl.serving import may_hold_surrogates
+from psrl.serving.json_body import may_hold_surrogates
 from psrl.tokenizer import Tokenizer
 
 _NO_TOOL_PARSER = NoToolParser()
+TITO_UNDO = "abandon the TITO turn"  # the prepare stage's undo step for a TITO turn
 
 
 @dataclass
@@ -73,7 +74,7 @@ class Services:
 
     def needs_tokens(self, model: str) -> bool:
         """Whether `model` has gRPC workers (token ids in, token ids out); else it is proxied over HTTP."""
-        return any(w.connection_mode == "grpc" for w in self.registry.serving(model))
+        return any(w.connection_mode is ConnectionMode.GRPC for w in self.registry.serving(model))
 
     def tool_parser_for(self, chat: P.ChatRequest) -> ToolCallParser:
         # Tool calls are parsed out only when the request offered tools, as vLLM does with a parser enabled.
@@ -93,8 +94,8 @@ class ChatShape:
     writer: Callable[[StreamStart], ApiWriter]
 
 
-RESPONSES = ChatShape(A.responses_to_chat, A.chat_to_response, ResponsesWriter)
-MESSAGES = ChatShape(A.messages_to_chat, lambda completion, _: A.chat_to_message(completion), MessagesWriter)
+RESPONSES_SHAPE = ChatShape(A.responses_to_chat, A.chat_to_response, ResponsesWriter)
+MESSAGES_SHAPE = ChatShape(A.messages_to_chat, lambda completion, _: A.chat_to_message(completion), MessagesWriter)
 
 StageFn = Callable[[Services, RequestContext], Awaitable[None]]
 
@@ -191,7 +192,7 @@ async def prepare_chat(s: Services, ctx: RequestContext) -> None:
         return
     prepared, gen = await s.tito.begin_turn(ctx.turn, chat, model=ctx.model, tokenizer=tok, request_id=ctx.request_id)
     ctx.tito, ctx.inputs = prepared, [gen]
-    ctx.on_failure["tito"] = lambda: s.tito.abandon(prepared)
+    ctx.on_failure[TITO_UNDO] = lambda: s.tito.abandon(prepared)
 
 
 async def prepare_completion(s: Services, ctx: RequestContext) -> None:
@@ -242,9 +243,7 @@ async def execute(s: Services, ctx: RequestContext) -> None:
         rollouts = [Rollout(s.dispatcher, ctx.model, ctx.meta, gen) for gen in ctx.inputs]
 
         async def run(rollout: Rollout) -> list[Generation]:
-            ticket = await rollout.start()
-            if rollout is rollouts[0]:
-                ctx.first_ticket = ticket
+            await rollout.start()
             return await rollout.collect()
 
         ctx.results = await _gather_or_raise([run(r) for r in rollouts])
@@ -272,10 +271,12 @@ async def record(s: Services, ctx: RequestContext) -> None:
     if ctx.tito is None:
         return
     assert ctx.chat is not None and ctx.tokenizer is not None
-    del ctx.on_failure["tito"]  # from here on the turn is recorded, or the record abandons it itself
     [rollout], [[gen]] = ctx.rollouts, ctx.results
     assert rollout.ticket is not None
     ctx.outputs = [s.reply_of(ctx.chat, ctx.tokenizer, gen)]
+    # The record decides the turn's fate itself from here (recorded, or abandoned when refused): a cancellation
+    # cannot stop it halfway, so the runner must not abandon a turn that may be recorded.
+    ctx.on_failure.pop(TITO_UNDO)
     await s.tito.finish_turn(
         ctx.tito,
         gen,
@@ -416,8 +417,8 @@ def chat_pipeline(kind: str, shape: ChatShape | None = None) -> Pipeline[Service
 
 
 CHAT = chat_pipeline("chat")
-RESPONSES_PIPELINE = chat_pipeline("responses", RESPONSES)
-MESSAGES_PIPELINE = chat_pipeline("messages", MESSAGES)
+RESPONSES = chat_pipeline("responses", RESPONSES_SHAPE)
+MESSAGES = chat_pipeline("messages", MESSAGES_SHAPE)
 COMPLETION = Pipeline(
     "completion",
     [

@@ -12,9 +12,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from psrl.router.config import CacheAwareConfig
     from psrl.router.policies.base import Policy
-    from psrl.router.policies.kv_index import KvEventIndex
 
-# Policy name -> "module:class". The cache_aware ones take the cache_aware settings (and v1 the KV-event index).
+# Policy name -> "module:class"; each class builds itself from the settings (Policy.from_settings).
 _REGISTRY = {
     "round_robin": "psrl.router.policies.round_robin:RoundRobinPolicy",
     "random": "psrl.router.policies.random_choice:RandomPolicy",
@@ -29,18 +28,15 @@ POLICIES = tuple(_REGISTRY)
 POLICY_ALIASES = {"request_num_balance": "least_load"}
 
 
-def make_policy(name: str, cache_aware: CacheAwareConfig | None = None, kv_index: KvEventIndex | None = None) -> Policy:
+def make_policy(name: str, cache_aware: CacheAwareConfig | None = None) -> Policy:
     target = _REGISTRY.get(name)
     if target is None:
         raise ValueError(f"unknown policy {name!r}")
-    module, cls_name = target.split(":")
-    cls = getattr(importlib.import_module(module), cls_name)
-    if name in ("cache_aware", "cache_aware_v1"):
-        from psrl.router.config import CacheAwareConfig
+    from psrl.router.config import CacheAwareConfig
 
-        config = cache_aware or CacheAwareConfig()
-        return cls(config, kv_index) if name == "cache_aware_v1" else cls(config)
-    return cls()
+    module, cls_name = target.split(":")
+    cls: type[Policy] = getattr(importlib.import_module(module), cls_name)
+    return cls.from_settings(cache_aware or CacheAwareConfig())
 
 
 __all__ = ["POLICIES", "POLICY_ALIASES", "make_policy"]

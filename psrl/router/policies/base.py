@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, ClassVar
 from psrl.router.registry import InstanceState
 
 if TYPE_CHECKING:
+    from psrl.router.config import CacheAwareConfig
     from psrl.router.policies.kv_index import KvEventIndex
 
 
@@ -39,6 +40,11 @@ class Policy(abc.ABC):
     needs_text: ClassVar[bool] = False
     # The index of engine KV events it scores on; the router feeds it from each gRPC worker's subscription.
     kv_index: KvEventIndex | None = None
+
+    @classmethod
+    def from_settings(cls, cache_aware: CacheAwareConfig) -> Policy:
+        """The policy as the router's settings make it (the cache-aware ones read their section)."""
+        return cls()
 
     @abc.abstractmethod
     def select(self, candidates: Sequence[InstanceState], request: SelectionRequest) -> InstanceState:

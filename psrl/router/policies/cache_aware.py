@@ -52,6 +52,10 @@ class CacheAwarePolicy(Policy):
             tree = self._trees[slot] = RadixTree(self._clock)
         return tree
 
+    @classmethod
+    def from_settings(cls, cache_aware: CacheAwareConfig) -> Policy:
+        return cls(cache_aware)
+
     def select(self, candidates: Sequence[InstanceState], request: SelectionRequest) -> InstanceState:
         if len(candidates) == 1:
             return candidates[0]

@@ -35,6 +35,10 @@ class CacheAwareV1Policy(Policy):
         self.kv_index = index if index is not None else KvEventIndex(self.config.block_size)
         self.approximate = CacheAwarePolicy(self.config, clock)  # the fallback without KV events
 
+    @classmethod
+    def from_settings(cls, cache_aware: CacheAwareConfig) -> Policy:
+        return cls(cache_aware)
+
     def select(self, candidates: Sequence[InstanceState], request: SelectionRequest) -> InstanceState:
         if len(candidates) == 1:
             return candidates[0]
