@@ -36,7 +36,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from psrl._proto import replica_control_pb2 as rc
 from psrl._proto import replica_control_pb2_grpc as rc_grpc
-from psrl.replica_auth import load_replica_token, token_interceptors
+from psrl.credentials import load_replica_token
+from psrl.replica_auth import token_interceptors
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from psrl.replica_auth import TOKEN_ENV, TOKEN_FILE_FLAG, load_replica_token
+from psrl.credentials import TOKEN_ENV, TOKEN_FILE_FLAG, load_replica_token
 from psrl.router.policies import POLICIES, POLICY_ALIASES
 from psrl.settings import add_flags, apply_flags, from_mapping, setting
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import httpx
 
+from psrl.credentials import ROUTER_API_KEY_ENV, TOKEN_FILE_FLAG
 from psrl.gateway.config import GatewayConfig, parse_args
 from psrl.gateway.processes import first_free_port, spawn_module, stop_processes
-from psrl.replica_auth import ROUTER_API_KEY_ENV, TOKEN_FILE_FLAG
 
 logger = logging.getLogger("psrl.gateway")
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import yaml
 
-from psrl.replica_auth import TOKEN_ENV, load_replica_token
+from psrl.credentials import TOKEN_ENV, load_replica_token
 from psrl.router.policies import POLICIES, POLICY_ALIASES
-from psrl.serving import HttpServerSettings
+from psrl.serving.limits import HttpServerSettings
 from psrl.settings import add_flags, apply_flags, choice, from_mapping, section, setting
 
 # The tool-call parsers pipeline/tool_calls.py implements, by name. A null tool_call_parser (PSRL's YAML) means
@@ -260,7 +260,9 @@ class RouterConfig(HttpServerSettings):
     log_level: str = setting("info", help="debug, info, warning or error")
     log_format: LogFormat = setting(LogFormat.TEXT, help="text lines or one JSON object per line")
     tool_call_parser: str | None = setting(
-        None, help=f"tool-call format in replies; none: {DEFAULT_TOOL_PARSER}", choices=TOOL_PARSER_NAMES
+        None,
+        help=f"tool-call format in replies; unset: {DEFAULT_TOOL_PARSER}; none: no tool-call parsing",
+        choices=TOOL_PARSER_NAMES,
     )
     enable_partial_rollout: bool = setting(True, help="loop a sync-aborted request back with what it produced")
     max_rollout_iterations: int = setting(64, help="a request aborted this many times in a row fails (500)")

@@ -1,16 +1,4 @@
-"""What the router and the SessionRouter share as HTTP servers: the uvicorn protocol that bounds every
-connection (body size, read timeouts, JSON errors for framing problems) and bounded JSON body parsing."""
-
-from psrl.serving.json_body import MAX_JSON_DEPTH, JsonBodyError, loads_bounded, may_hold_surrogates
-from psrl.serving.protocol import HttpLimits, HttpServerSettings, RenderError, guarded_protocol
-
-__all__ = [
-    "MAX_JSON_DEPTH",
-    "HttpLimits",
-    "HttpServerSettings",
-    "JsonBodyError",
-    "RenderError",
-    "guarded_protocol",
-    "loads_bounded",
-    "may_hold_surrogates",
-]
+"""What the router and the SessionRouter share as HTTP servers: `limits` (the per-connection bounds, as settings),
+`protocol` (the uvicorn protocol that enforces them, with JSON errors for framing problems), `json_body` (bounded
+JSON body parsing) and `server` (uvicorn with a ready line). Import from the modules: config modules take only
+`limits`, which loads no server code."""

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from psrl.apis import chat_sse_events, message_sse_events, response_sse_events
-from psrl.serving import loads_bounded
+from psrl.serving.json_body import loads_bounded
 from psrl.session.config import SessionConfig
 from psrl.session.state import (
     RANK_HEADER,

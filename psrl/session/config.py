@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from psrl.serving import HttpServerSettings
+from psrl.serving.limits import HttpServerSettings
 from psrl.settings import add_flags, apply_flags, setting
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uvicorn
 
-from psrl.serving import guarded_protocol
+from psrl.serving.protocol import guarded_protocol
 from psrl.serving.server import AnnouncingServer, run_server
 from psrl.session.app import create_app, render_error
 from psrl.session.config import SessionConfig, parse_args

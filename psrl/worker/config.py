@@ -9,7 +9,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
-from psrl.replica_auth import ROUTER_API_KEY_ENV, TOKEN_ENV, TOKEN_FILE_FLAG, load_replica_token, load_secret
+from psrl.credentials import ROUTER_API_KEY_ENV, TOKEN_ENV, TOKEN_FILE_FLAG, load_replica_token, load_secret
 from psrl.settings import add_flags, apply_flags, setting
 
 ENGINES = ("reference", "vllm")

@@ -39,7 +39,7 @@ from psrl.engine import AsyncEngine, InvalidRequestError, KvSource, PreloadedKV
 from psrl.kv import ArrayLike, KVCacheSpec, LayoutError, check_compatible, plan_transfer
 from psrl.kv.channels import ShmChannel, ShmMappings, ShmPool, ShmTransfer, shm_receive, shm_send
 from psrl.replica_auth import token_interceptors
-from psrl.serving import JsonBodyError, loads_bounded
+from psrl.serving.json_body import JsonBodyError, loads_bounded
 
 logger = logging.getLogger(__name__)
 

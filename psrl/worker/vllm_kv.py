@@ -49,10 +49,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from psrl._proto import kv_migration_pb2_grpc
+from psrl.credentials import load_replica_token
 from psrl.engine import KvSource, common_prefix
 from psrl.kv import KVCacheSpec, LayoutError, gather_blocks, scatter_blocks
 from psrl.kv.channels import ShmChannel, ShmMappings, ShmTransfer, shm_receive
-from psrl.replica_auth import load_replica_token
 from psrl.worker.kv_migration import (
     UNACKED_TRANSFER_TTL_S,
     HeldKv,

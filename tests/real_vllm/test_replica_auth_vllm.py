@@ -22,8 +22,9 @@ from psrl._proto import kv_migration_pb2 as kv
 from psrl._proto import kv_migration_pb2_grpc as kv_grpc
 from psrl._proto import replica_control_pb2 as rc
 from psrl._proto import replica_control_pb2_grpc as rc_grpc
+from psrl.credentials import TOKEN_ENV
 from psrl.gateway.processes import stop_processes
-from psrl.replica_auth import TOKEN_ENV, token_interceptors
+from psrl.replica_auth import token_interceptors
 
 TOKEN = "vllm-tok-0123456789"
 BLOCK = 128  # vLLM's CPU block size

@@ -13,7 +13,7 @@ from _http_raw import exchange, json_error
 from _procs import Proc, start_session_router
 
 from psrl.gateway.processes import stop_processes
-from psrl.serving import MAX_JSON_DEPTH
+from psrl.serving.json_body import MAX_JSON_DEPTH
 
 MSG = [{"role": "user", "content": "hi"}]
 CRASH_MARKERS = ("unexpected error", "Exception in ASGI application", "Traceback")

@@ -7,8 +7,13 @@ import json
 
 import pytest
 
-from psrl.serving import MAX_JSON_DEPTH, JsonBodyError, loads_bounded, may_hold_surrogates
-from psrl.serving.json_body import nesting_depth_exceeds
+from psrl.serving.json_body import (
+    MAX_JSON_DEPTH,
+    JsonBodyError,
+    loads_bounded,
+    may_hold_surrogates,
+    nesting_depth_exceeds,
+)
 
 
 def _chain(depth: int) -> str:

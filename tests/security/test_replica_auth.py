@@ -22,9 +22,10 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb
 
 from psrl._proto import kv_migration_pb2, kv_migration_pb2_grpc, replica_control_pb2, replica_control_pb2_grpc
 from psrl.coordinator import RolloutCoordinator, SyncReport
+from psrl.credentials import TOKEN_ENV, load_replica_token
 from psrl.gateway.launcher import GatewayConfig, RolloutGateway
 from psrl.gateway.processes import stop_processes
-from psrl.replica_auth import TOKEN_ENV, load_replica_token, token_metadata
+from psrl.replica_auth import token_metadata
 from psrl.router.config import RouterConfig
 
 TOKEN = "tok-0123456789abcdef"

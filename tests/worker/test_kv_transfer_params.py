@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from psrl.serving import MAX_JSON_DEPTH, JsonBodyError, loads_bounded
+from psrl.serving.json_body import MAX_JSON_DEPTH, JsonBodyError, loads_bounded
 from psrl.worker.kv_migration import KvTransferParams, KvTransferParamsError, kv_transfer_params_object
 
 SOURCE = {"target": "h:1"}

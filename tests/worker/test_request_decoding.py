@@ -19,7 +19,7 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb
 from psrl._proto import kv_migration_pb2, kv_migration_pb2_grpc, psrl_manager_pb2
 from psrl.gateway.processes import stop_processes
 from psrl.grpc_decode import RequestDecodeInterceptor
-from psrl.serving import MAX_JSON_DEPTH
+from psrl.serving.json_body import MAX_JSON_DEPTH
 
 BAD_UTF8 = b"\x0a\x02\xff\xfe"  # field 1, a string of two bytes that are not UTF-8
 PAST_THE_END = b"\x0a\xff\xff\xff\xff\x07"  # field 1, a length far past the end
