@@ -59,7 +59,8 @@ lint: install-dev
 pytest: install-dev
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# Second stage: the tests over real vLLM processes (the CPU build here), sharing a few replicas.
+# Third stage (after the default and fuzz ones): the tests over real vLLM processes (the CPU build here),
+# sharing a few replicas.
 pytest-vllm: install-vllm
 	$(PY) -m pytest -m vllm $(PYTEST_ARGS)
 
