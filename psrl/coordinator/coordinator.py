@@ -38,6 +38,9 @@ from psrl._proto import replica_control_pb2 as rc
 from psrl._proto import replica_control_pb2_grpc as rc_grpc
 from psrl.credentials import load_replica_token
 from psrl.replica_auth import token_interceptors
+from psrl.session.config import ThunderConfig
+from psrl.session.thunder import Plan
+from psrl.session.thunder_driver import HttpSessions, ReadError, ThunderDriver, ThunderMetrics
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -371,6 +374,34 @@ class RolloutCoordinator:
             return {"total": 0, "updated": 0, "rejected": 0, "stale_ignored": 0, "results": []}
         return await self._call("POST", "/workers/update_stats", entries)
 
+    # ---- the session strategy -------------------------------------------------------------------------------
+
+    def session_strategy(
+        self,
+        session_router_url: str,
+        config: ThunderConfig | None = None,
+        *,
+        session_admin_api_key: str | None = None,
+        metrics: ThunderMetrics | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> ThunderDriver:
+        """The thunder_agent strategy driven from here, for a SessionRouter started without it: each round reads
+        the instances from this coordinator's router and the sessions from the SessionRouter's control API
+        (`session_admin_api_key`: its --admin-api-key), and hangs and continues sessions there. The same rounds
+        as `--session-strategy thunder_agent`. `await driver.step()` runs one round, `driver.start()` runs them
+        every `config.check_interval_ms` until `await driver.aclose()` (which also closes its client)."""
+        headers = {"Authorization": f"Bearer {session_admin_api_key}"} if session_admin_api_key else {}
+        client = httpx.AsyncClient(
+            base_url=session_router_url.rstrip("/"), headers=headers, timeout=self._rpc_timeout_s, transport=transport
+        )
+        return ThunderDriver(config or ThunderConfig(), self._router_json, HttpSessions(client), metrics)
+
+    async def _router_json(self, path: str) -> dict[str, Any]:
+        try:
+            return await self._call("GET", path)
+        except SyncError as e:
+            raise ReadError(str(e)) from e
+
     async def push_stats_forever(self, interval_s: float = 0.5) -> None:
         """Run until cancelled (PSRL's coordinator_sync_interval_in_ms)."""
         while True:
@@ -435,6 +466,28 @@ class BlockingRolloutCoordinator:
     def resume_routing(self) -> dict[str, Any]:
         return self._run(self._inner.resume_routing())
 
+    def session_strategy(
+        self,
+        session_router_url: str,
+        config: ThunderConfig | None = None,
+        *,
+        session_admin_api_key: str | None = None,
+        metrics: ThunderMetrics | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> BlockingSessionStrategy:
+        """RolloutCoordinator.session_strategy, its rounds run on this client's event loop."""
+
+        async def make() -> ThunderDriver:
+            return self._inner.session_strategy(
+                session_router_url,
+                config,
+                session_admin_api_key=session_admin_api_key,
+                metrics=metrics,
+                transport=transport,
+            )
+
+        return BlockingSessionStrategy(self._run(make()), self._run)
+
     def close(self) -> None:
         self._run(self._inner.close())
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -445,6 +498,27 @@ class BlockingRolloutCoordinator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class BlockingSessionStrategy:
+    """A ThunderDriver for plain training code: `step()` runs one round, `start()` runs them in the background
+    until `close()`."""
+
+    def __init__(self, driver: ThunderDriver, run: Callable[[Coroutine[Any, Any, Any]], Any]) -> None:
+        self.driver = driver
+        self._run = run
+
+    def step(self) -> Plan:
+        return self._run(self.driver.step())
+
+    def start(self) -> None:
+        async def start() -> None:
+            self.driver.start()
+
+        self._run(start())
+
+    def close(self) -> None:
+        self._run(self.driver.aclose())
 
 
 def _rejected_updates(answer: dict[str, Any], replicas: Sequence[ReplicaHandle]) -> dict[ReplicaHandle, str]:

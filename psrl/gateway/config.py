@@ -13,6 +13,7 @@ import yaml
 
 from psrl.credentials import TOKEN_ENV, TOKEN_FILE_FLAG, load_replica_token
 from psrl.router.policies import POLICIES, POLICY_ALIASES
+from psrl.session.config import SESSION_STRATEGIES
 from psrl.settings import add_flags, apply_flags, from_mapping, setting
 
 REPLICA_ENGINES = ("reference", "vllm")
@@ -24,6 +25,12 @@ class GatewayConfig:
     router_port_start: int = setting(8100, help="the router takes the first free port from this one")
     session_port_start: int = setting(8200, help="the SessionRouter takes the first free port from this one")
     enable_session_router: bool = setting(True, help="also start a SessionRouter in front of the router")
+    session_strategy: str = setting("none", help="the SessionRouter's --session-strategy", choices=SESSION_STRATEGIES)
+    session_args: list[str] = setting(
+        default_factory=list,
+        help="everything after it goes to the SessionRouter, as given (e.g. --thunder-max-hold-s 600)",
+        nargs=argparse.REMAINDER,
+    )
     worker_urls: list[str] = setting(
         default_factory=list, help="replicas to route to (grpc://host:port); none: start replicas here"
     )
@@ -79,6 +86,8 @@ class GatewayConfig:
             raise ValueError("vLLM replicas need a model folder (--model DIR)")
         if self.replica_engine_args and self.replica_engine != "vllm":
             raise ValueError("replica_engine_args are vLLM engine arguments; they need replica_engine vllm")
+        if self.session_strategy not in SESSION_STRATEGIES:
+            raise ValueError(f"session_strategy must be one of {SESSION_STRATEGIES}")
         load_replica_token(self.replica_token_file)  # an unreadable or empty file fails here, not in a child
 
     @property

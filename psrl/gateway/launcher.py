@@ -79,7 +79,11 @@ class RolloutGateway:
         args = ["--router-url", self.router_url, "--host", cfg.host, "--port", str(port)]
         if cfg.admin_api_key:
             args += ["--admin-api-key", cfg.admin_api_key]
-        self._session = spawn_module("psrl.session", args, log_file=self._log("session"))
+        if cfg.session_strategy != "none":
+            args += ["--session-strategy", cfg.session_strategy]
+            if cfg.admin_api_key:  # the strategy reads the router's /workers and /workers/stats
+                args += ["--router-admin-api-key", cfg.admin_api_key]
+        self._session = spawn_module("psrl.session", [*args, *cfg.session_args], log_file=self._log("session"))
         self._poll("SessionRouter", lambda c: c.get(f"{self.session_url}/control/sessions").status_code == 200)
 
     def _start_embedded(self) -> None:

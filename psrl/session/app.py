@@ -14,6 +14,7 @@ from urllib.parse import quote
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -30,6 +31,7 @@ from psrl.session.state import (
     session_headers_from,
     session_ids_of,
 )
+from psrl.session.thunder_driver import LocalSessions, ReadError, ThunderDriver, ThunderMetrics
 
 logger = logging.getLogger("psrl.session")
 
@@ -180,6 +182,14 @@ class SessionRouter:
         self.strategy: TrajectoryStrategy = "auto" if config.trajectory_id_strategy == "auto" else "manual"
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
+        self.metrics = CollectorRegistry()
+        Gauge("psrl_session_sessions", "sessions this SessionRouter holds", registry=self.metrics).set_function(
+            lambda: len(self.sessions.all())
+        )
+        self.thunder: ThunderDriver | None = None
+        if config.session_strategy == "thunder_agent":
+            local = LocalSessions(lambda: [s.summary() for s in self.sessions.all()], self.hang, self.resume)
+            self.thunder = ThunderDriver(config.thunder, self.router_json, local, ThunderMetrics(self.metrics))
 
     # ---- upstream -------------------------------------------------------------------------------------
 
@@ -199,6 +209,8 @@ class SessionRouter:
         )
 
     async def close(self) -> None:
+        if self.thunder is not None:
+            await self.thunder.stop()
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -218,6 +230,21 @@ class SessionRouter:
         except httpx.TransportError as e:
             raise UpstreamUnavailable(f"router unreachable: {type(e).__name__}: {e}") from e
 
+    async def router_json(self, path: str) -> Any:
+        """GET one of the router's admin endpoints (the strategy's reads), with `router_admin_api_key`."""
+        key = self.config.router_admin_api_key
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        try:
+            upstream = await self.upstream("GET", path, headers=headers, timeout=self.config.connect_timeout_s)
+        except UpstreamUnavailable as e:
+            raise ReadError(e.message) from e
+        if not upstream.is_success:
+            raise ReadError(f"GET {path}: the router answered {upstream.status_code}: {upstream.text:.200}")
+        try:
+            return upstream.json()
+        except ValueError as e:
+            raise ReadError(f"GET {path}: the router's answer is not JSON") from e
+
     # ---- sessions -------------------------------------------------------------------------------------
 
     def state(self, sid: str) -> SessionState:
@@ -231,7 +258,10 @@ class SessionRouter:
         if upstream.status_code >= 300:
             return _upstream_response(upstream)
         sid = upstream.json()["session_id"]
-        self.sessions.add(SessionState(sid, headers=session_headers_from(request.headers)))
+        state = SessionState(sid, headers=session_headers_from(request.headers))
+        self.sessions.add(state)
+        if self.thunder is not None and not self.thunder.admit(sid):
+            state.hang()  # held: its first turn waits until a round of the strategy admits it
         return JSONResponse({"session_id": sid})
 
     async def get(self, sid: str, request: Request) -> Response:
@@ -403,6 +433,8 @@ def create_app(config: SessionConfig, *, transport: httpx.AsyncBaseTransport | N
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await sr.open()
+        if sr.thunder is not None:
+            sr.thunder.start()
         try:
             yield
         finally:
@@ -427,6 +459,10 @@ def create_app(config: SessionConfig, *, transport: httpx.AsyncBaseTransport | N
     @app.exception_handler(ClientDisconnect)
     async def _on_client_gone(_: Request, e: ClientDisconnect) -> Response:
         return Response(status_code=400)  # never delivered: the client left, or its body was refused
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(sr.metrics), media_type="text/plain; version=0.0.4")
 
     @app.post("/sessions")
     async def create_session(request: Request) -> Response:

@@ -10,7 +10,47 @@ import argparse
 from dataclasses import dataclass
 
 from psrl.serving.limits import HttpServerSettings
-from psrl.settings import add_flags, apply_flags, setting
+from psrl.settings import add_flags, apply_flags, section, setting
+
+SESSION_STRATEGIES = ("none", "thunder_agent")
+CONTINUE_SCOPES = ("bucketed", "global")
+
+
+@dataclass
+class ThunderConfig:
+    """The thunder_agent session strategy (--session-strategy thunder_agent): hangs sessions at their turn
+    boundary when an instance's KV cache cannot hold them, and continues them when it can."""
+
+    check_interval_ms: int = setting(1000, help="time between two rounds of the strategy", unit="ms")
+    env_token_weight: float = setting(
+        1.0, help="what a session between turns counts of its tokens (1: all of them stay in the KV cache)"
+    )
+    buffer_per_session: int = setting(
+        100, help="tokens reserved per session on its instance for what it decodes next", unit="tokens"
+    )
+    continue_scope: str = setting(
+        "bucketed",
+        help="bucketed: a hung session continues on its own instance; global: on the instance it fits best",
+        choices=CONTINUE_SCOPES,
+    )
+    continue_force_pin: bool = setting(
+        False, help="a continued session's next turn is force-pinned to the instance the strategy placed it on"
+    )
+    max_hold_s: float = setting(
+        1800.0, help="a session held this long is continued whatever the capacity (nothing starves)", unit="s"
+    )
+
+    def validate(self) -> None:
+        if self.check_interval_ms <= 0:
+            raise ValueError(f"thunder check_interval_ms must be > 0, got {self.check_interval_ms}")
+        if not self.env_token_weight >= 0:
+            raise ValueError(f"thunder env_token_weight must be >= 0, got {self.env_token_weight}")
+        if self.buffer_per_session < 0:
+            raise ValueError(f"thunder buffer_per_session must be >= 0, got {self.buffer_per_session}")
+        if self.continue_scope not in CONTINUE_SCOPES:
+            raise ValueError(f"thunder continue_scope must be one of {CONTINUE_SCOPES}, got {self.continue_scope!r}")
+        if self.max_hold_s <= 0:
+            raise ValueError(f"thunder max_hold_s must be > 0, got {self.max_hold_s}")
 
 
 @dataclass
@@ -31,6 +71,15 @@ class SessionConfig(HttpServerSettings):
     request_timeout_s: float = setting(3600.0, help="a request to the router not done by then fails", unit="s")
     max_connections: int = setting(1024, help="connections to the router at most", unit="connections")
     log_level: str = setting("warning", help="debug, info, warning or error")
+    session_strategy: str = setting(
+        "none",
+        help="none: sessions run as their clients send turns; thunder_agent: hang and continue them by KV capacity",
+        choices=SESSION_STRATEGIES,
+    )
+    router_admin_api_key: str | None = setting(
+        None, help="the router's --admin-api-key, for the strategy's reads of /workers and /workers/stats"
+    )
+    thunder: ThunderConfig = section(ThunderConfig)
 
     def validate(self) -> None:
         if self.trajectory_id_strategy not in ("manual", "auto"):
@@ -41,6 +90,9 @@ class SessionConfig(HttpServerSettings):
             raise ValueError(f"port out of range: {self.port}")
         if min(self.connect_timeout_s, self.request_timeout_s) <= 0 or self.max_connections <= 0:
             raise ValueError("timeouts and max_connections must be > 0")
+        if self.session_strategy not in SESSION_STRATEGIES:
+            raise ValueError(f"session_strategy must be one of {SESSION_STRATEGIES}, got {self.session_strategy!r}")
+        self.thunder.validate()
         self.validate_http()
         self.router_url = self.router_url.rstrip("/")
 

@@ -321,7 +321,7 @@ def test_the_blocking_client_has_the_async_ones_signatures() -> None:
     assert public == {name for name in vars(RolloutCoordinator) if not name.startswith("_")} - {"push_stats_forever"}
     for name in [*public, "__init__"]:
         blocking = inspect.signature(getattr(BlockingRolloutCoordinator, name))
-        assert blocking == inspect.signature(getattr(RolloutCoordinator, name)), name
+        assert blocking.parameters == inspect.signature(getattr(RolloutCoordinator, name)).parameters, name
         assert all(p.kind is not p.VAR_KEYWORD for p in blocking.parameters.values()), name
 
 
