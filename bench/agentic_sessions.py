@@ -187,6 +187,8 @@ def session_flags(arm: str, args: argparse.Namespace) -> list[str]:
         value = getattr(args, f"thunder_{name}")
         if value is not None:
             flags += [f"--thunder-{name.replace('_', '-')}", str(value)]
+    if args.thunder_credit_shared_prefix is not None:
+        flags.append(f"--{'' if args.thunder_credit_shared_prefix else 'no-'}thunder-credit-shared-prefix")
     return flags
 
 
@@ -669,6 +671,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--thunder-buffer-per-session", type=int, default=None)
     p.add_argument("--thunder-continue-scope", choices=("bucketed", "global"), default=None)
     p.add_argument("--thunder-max-hold-s", type=float, default=None)
+    p.add_argument(
+        "--thunder-credit-shared-prefix",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="passed to arm on if given (--no-...: count generating sessions in full)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.sessions, args.turns = min(args.sessions, 16), min(args.turns, 8)

@@ -39,6 +39,11 @@ class ThunderConfig:
     max_hold_s: float = setting(
         1800.0, help="a session held this long is continued whatever the capacity (nothing starves)", unit="s"
     )
+    credit_shared_prefix: bool = setting(
+        True,
+        help="count generating sessions' tokens past the KV in use as a shared prefix (PSRL's formula); off: count "
+        "them in full, for replicas that queue turns (their KV is not in use yet)",
+    )
 
     def validate(self) -> None:
         if self.check_interval_ms <= 0:

@@ -5,8 +5,8 @@ and what the sessions need go in, which sessions to hang and which to continue c
 Per instance (one dp rank of a worker): total = its KV token capacity, used = kv_cache_usage x total. A session
 is `generate` while a turn is in flight and `env` between turns, and its size is its total_tokens. Over the
 sessions an instance holds: active = sum(generate) + env_token_weight x sum(env), shared = max(0, sum(generate) -
-used) (what the generating sessions share as a prefix), and remaining = total - (active - shared +
-buffer_per_session x sessions).
+used) (what the generating sessions share as a prefix; 0 with `credit_shared_prefix` off), and remaining =
+total - (active - shared + buffer_per_session x sessions).
 
 Each round:
   1. a session the strategy has held for max_hold_s or more is continued, whatever the capacity, and is not
@@ -95,7 +95,9 @@ def remaining_of(instance: InstanceView, sessions: Iterable[SessionView], config
         else:
             env += s.tokens
     active = gen + config.env_token_weight * env
-    shared = max(0.0, gen - instance.kv_cache_usage * instance.capacity)
+    # What the generating sessions need beyond the KV in use is taken for a prefix they share; but a turn that waits
+    # in the replica's queue holds no KV yet, so where turns queue, that credit hides real need.
+    shared = max(0.0, gen - instance.kv_cache_usage * instance.capacity) if config.credit_shared_prefix else 0.0
     return instance.capacity - (active - shared + config.buffer_per_session * count)
 
 

@@ -60,6 +60,21 @@ def test_remaining_is_capacity_minus_active_plus_shared_minus_buffers() -> None:
     assert remaining_of(inst(), [], cfg) == 1000
 
 
+def test_without_the_shared_prefix_credit_generating_sessions_count_in_full() -> None:
+    """Turns queued at the replica hold no KV yet: KV usage reads low, and the credit would take their tokens for
+    a shared prefix. With the credit off they count in full, and the instance is seen to overflow."""
+    sessions = [gen("g1", 400), gen("g2", 400), env("e", 100)]
+    credited = ThunderConfig(buffer_per_session=0)
+    assert remaining_of(inst(usage=0.4), sessions, credited) == 1000 - (900 - 400)
+    plain = ThunderConfig(buffer_per_session=0, credit_shared_prefix=False)
+    assert remaining_of(inst(usage=0.4), sessions, plain) == 1000 - 900
+    over = [*sessions, env("e2", 200)]
+    assert scheduler(buffer_per_session=0).plan([inst(usage=0.4)], over, now=0).hang == []
+    assert scheduler(buffer_per_session=0, credit_shared_prefix=False).plan([inst(usage=0.4)], over, now=0).hang == [
+        "e"
+    ]
+
+
 def test_nothing_happens_while_every_instance_fits() -> None:
     s = scheduler(buffer_per_session=100)
     plan = s.plan([inst(capacity=600)], [env("a", 200), gen("b", 100)], now=0)  # 600 - 500 = 100 >= 0
