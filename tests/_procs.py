@@ -42,9 +42,21 @@ class Proc:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
+# Every process a test helper started: conftest stops those still running when the session ends, so a fixture
+# that fails halfway (e.g. its router does not start) leaves no replica behind.
+STARTED: list[subprocess.Popen] = []
+
+
+def popen(cmd: list[str], **kwargs: object) -> subprocess.Popen:
+    """subprocess.Popen, remembered in STARTED."""
+    proc = subprocess.Popen(cmd, **kwargs)  # type: ignore[call-overload]
+    STARTED.append(proc)
+    return proc
+
+
 def _spawn(module: str, args: list[str], log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
+    return popen(
         [sys.executable, "-m", module, *args],
         stdout=subprocess.PIPE,
         stderr=open(log, "wb"),

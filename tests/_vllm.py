@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import grpc
-from _procs import REPO, Proc, free_port
+from _procs import REPO, Proc, free_port, popen
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from psrl.gateway.processes import stop_processes
@@ -76,9 +76,7 @@ def start_stock_vllm(model_dir: Path, log_dir: Path, *, args: list[str] | None =
         cmd = [sys.executable, "-m", "vllm.entrypoints.launchers.grpc_server", *engine_args_of(model_dir)]
         cmd += ["--host", "127.0.0.1", "--port", str(port), *(args or [])]
         with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
-            proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, env=vllm_env(), start_new_session=True, cwd=REPO
-            )
+            proc = popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=vllm_env(), start_new_session=True, cwd=REPO)
         target = f"127.0.0.1:{port}"
         try:
             wait_healthy(proc, target, log)
@@ -101,9 +99,7 @@ def start_vllm_replica(
     cmd = [sys.executable, "-m", "psrl.worker", "--engine", "vllm", "--model", str(model_dir), "--port", "0"]
     cmd += [*(args or []), "--", *engine_args_of(model_dir)[2:], *(engine_args or [])]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=vllm_env(), start_new_session=True, cwd=REPO
-        )
+        proc = popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=vllm_env(), start_new_session=True, cwd=REPO)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         text = log.read_text(errors="replace")

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _procs import Proc, start_replica, start_router
+from _procs import STARTED, Proc, start_replica, start_router
 
 from psrl.gateway.processes import stop_processes
 from psrl.tokenizer import Tokenizer
@@ -45,6 +45,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _starts_processes(item):
             item.add_marker(pytest.mark.procs)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_process_outlives_the_session() -> Iterator[None]:
+    """Stop whatever a test helper started and is still running at the end: a fixture that fails halfway (e.g.
+    its router does not start) would otherwise leave the replicas it had started running."""
+    yield
+    stop_processes([p for p in STARTED if p.poll() is None])
 
 
 @pytest.fixture(scope="session")
