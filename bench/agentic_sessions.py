@@ -66,6 +66,7 @@ from benchlib import (
     install_signal_handlers,
     log_tail,
     machine_busy_s,
+    tree_cpu_s,
     wait_for_log,
 )
 
@@ -364,28 +365,6 @@ async def sample_state(fleet: Fleet, http: httpx.AsyncClient, counters: Counters
 
 
 # ---- CPU ------------------------------------------------------------------------------------------------------
-
-
-def tree_cpu_s(roots: list[int]) -> float:
-    """utime+stime of the process trees under roots, from /proc (children found by ppid)."""
-    children: dict[int, list[int]] = {}
-    ticks: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            raw = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = raw[raw.rindex(")") + 2 :].split()
-        children.setdefault(int(fields[1]), []).append(int(entry))
-        ticks[int(entry)] = int(fields[11]) + int(fields[12])
-    total, todo = 0, list(roots)
-    while todo:
-        pid = todo.pop()
-        total += ticks.get(pid, 0)
-        todo.extend(children.get(pid, []))
-    return total / os.sysconf("SC_CLK_TCK")
 
 
 def own_cpu_s() -> float:

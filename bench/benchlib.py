@@ -154,3 +154,25 @@ def machine_busy_s() -> float:
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
     user, nice, system, _idle, _iowait, irq, softirq, steal = fields
     return (user + nice + system + irq + softirq + steal) / CLK_TCK
+
+
+def tree_cpu_s(roots: list[int]) -> float:
+    """utime+stime of the process trees under roots, from /proc (children found by ppid)."""
+    children: dict[int, list[int]] = {}
+    ticks: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(")") + 2 :].split()
+        children.setdefault(int(fields[1]), []).append(int(entry))
+        ticks[int(entry)] = int(fields[11]) + int(fields[12])
+    total, todo = 0, list(roots)
+    while todo:
+        pid = todo.pop()
+        total += ticks.get(pid, 0)
+        todo.extend(children.get(pid, []))
+    return total / CLK_TCK

@@ -64,13 +64,13 @@ from pathlib import Path
 import grpc
 import httpx
 from benchlib import (
-    CLK_TCK,
     Procs,
     environment,
     free_port,
     install_signal_handlers,
     log_tail,
     machine_busy_s,
+    tree_cpu_s,
     wait_for_log,
 )
 
@@ -446,28 +446,6 @@ def percentile(values: list[float], q: float) -> float:
     k = (len(ordered) - 1) * q
     lo, hi = math.floor(k), math.ceil(k)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
-def tree_cpu_s(roots: list[int]) -> float:
-    """utime+stime of the process trees under roots (the fleet), from /proc."""
-    children: dict[int, list[int]] = {}
-    ticks: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            raw = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = raw[raw.rindex(")") + 2 :].split()
-        children.setdefault(int(fields[1]), []).append(int(entry))
-        ticks[int(entry)] = int(fields[11]) + int(fields[12])
-    total, todo = 0, list(roots)
-    while todo:
-        pid = todo.pop()
-        total += ticks.get(pid, 0)
-        todo.extend(children.get(pid, []))
-    return total / CLK_TCK
 
 
 @dataclass

@@ -8,11 +8,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from _procs import Proc, start_replica, start_router, start_session_router
+from _sessions import scripted_agent
 from _wait import until, wait_for
 
 from psrl.coordinator import BlockingRolloutCoordinator, RolloutCoordinator
@@ -39,21 +39,6 @@ def stack(model_dir: Path, log_dir: Path) -> Iterator[tuple[Proc, Proc, str]]:
         stop_processes(procs[::-1])
 
 
-async def agent(client: httpx.AsyncClient, model: str, sid: str, turns: int) -> list[int]:
-    messages: list[dict[str, Any]] = [{"role": "user", "content": f"task {sid[:6]}: list the files"}]
-    statuses = []
-    for i in range(turns):
-        body = {"model": model, "messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-        r = await client.post(f"/sessions/{sid}/v1/chat/completions", json=body)
-        statuses.append(r.status_code)
-        if r.status_code != 200:
-            break
-        messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
-        messages.append({"role": "user", "content": f"tool output {i}: a.txt b.txt c.txt"})
-    await client.delete(f"/sessions/{sid}")
-    return statuses
-
-
 async def test_the_coordinator_holds_hangs_and_continues_sessions_over_http(stack) -> None:
     router, session, model = stack
     config = ThunderConfig(check_interval_ms=50, max_hold_s=600)
@@ -72,7 +57,7 @@ async def test_the_coordinator_holds_hangs_and_continues_sessions_over_http(stac
             assert [s["session_id"] for s in listing if s["hang_state"] == "hung"] == sids[5:]
 
             driver.start()
-            results = await asyncio.gather(*(agent(client, model, sid, 4) for sid in sids))
+            results = await asyncio.gather(*(scripted_agent(client, model, sid, 4) for sid in sids))
 
             assert results == [[200] * 4] * 8
             value = driver.metrics.registry.get_sample_value

@@ -8,11 +8,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from _procs import Proc, free_port, start_replica, start_router, start_session_router
+from _sessions import scripted_agent
 from _wait import until, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -65,26 +65,10 @@ def hung_sessions(url: str) -> list[str]:
     return [s["session_id"] for s in listing if s["hang_state"] == "hung"]
 
 
-async def agent(client: httpx.AsyncClient, model: str, sid: str, turns: int) -> list[int]:
-    """A scripted agent: each turn adds the reply and a tool result to its context; then it closes."""
-    messages: list[dict[str, Any]] = [{"role": "user", "content": f"task {sid[:6]}: list the files"}]
-    statuses = []
-    for i in range(turns):
-        body = {"model": model, "messages": messages, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-        r = await client.post(f"/sessions/{sid}/v1/chat/completions", json=body)
-        statuses.append(r.status_code)
-        if r.status_code != 200:
-            break
-        messages.append({"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]})
-        messages.append({"role": "user", "content": f"tool output {i}: a.txt b.txt c.txt"})
-    await client.delete(f"/sessions/{sid}")
-    return statuses
-
-
 def run_agents(url: str, model: str, sids: list[str], turns: int) -> list[list[int]]:
     async def main() -> list[list[int]]:
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-            return list(await asyncio.gather(*(agent(client, model, sid, turns) for sid in sids)))
+            return list(await asyncio.gather(*(scripted_agent(client, model, sid, turns) for sid in sids)))
 
     return asyncio.run(main())
 
