@@ -113,7 +113,9 @@ def test_psrl_requests_on_a_vllm_replica_killed_mid_decode_continue_exactly(
     }
     try:
         expected = httpx.post(f"{router.url}/generate", json=body, timeout=300).json()["output_ids"]
-        [wid] = [w["worker_id"] for w in httpx.get(f"{router.url}/workers").json()["workers"] if w["url"] == victim.url]
+        workers = httpx.get(f"{router.url}/workers").json()["workers"]
+        [wid] = [w["worker_id"] for w in workers if w["url"] == victim.url]
+        [vllm_pair_id] = [w["worker_id"] for w in workers if w["url"] == vllm_pair[1].url]
         results: dict[int, httpx.Response] = {}
         streamed: list[str] = []
         chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": n, "ignore_eos": True}
@@ -122,15 +124,21 @@ def test_psrl_requests_on_a_vllm_replica_killed_mid_decode_continue_exactly(
         def one(i: int) -> None:
             results[i] = httpx.post(f"{router.url}/generate", json=body, headers=_psrl(i, wid), timeout=300)
 
+        def chat_once() -> None:  # non-streamed: its headers name the instance that finished it
+            plain = {k: v for k, v in chat.items() if k not in ("stream", "stream_options")}
+            url = f"{router.url}/v1/chat/completions"
+            results[98] = httpx.post(url, json=plain, headers=_psrl(98, wid), timeout=300)
+
         def stream() -> None:
             url = f"{router.url}/v1/chat/completions"
             with httpx.stream("POST", url, json=chat, headers=_psrl(99, wid), timeout=300) as r:
                 streamed.extend(line[6:] for line in r.iter_lines() if line.startswith("data: "))
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(2)] + [threading.Thread(target=stream)]
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+        threads += [threading.Thread(target=stream), threading.Thread(target=chat_once)]
         for t in threads:
             t.start()
-        wait_for(lambda: replica_busy(victim.url) == 3, "three requests running on the victim replica", timeout_s=60)
+        wait_for(lambda: replica_busy(victim.url) == 4, "four requests running on the victim replica", timeout_s=60)
         os.kill(victim.proc.pid, signal.SIGKILL)
         for t in threads:
             t.join(300)
@@ -138,6 +146,10 @@ def test_psrl_requests_on_a_vllm_replica_killed_mid_decode_continue_exactly(
             assert results[i].status_code == 200, results[i].text
             out = results[i].json()
             assert out["output_ids"] == expected and len(out["meta_info"]["output_token_logprobs"]) == n
+        for r in (results[0], results[1], results[98]):
+            assert r.status_code == 200, r.text
+            assert r.headers["x-base-worker-id"] == vllm_pair_id  # the instance that finished it, not the victim
+        assert results[98].json()["usage"]["completion_tokens"] == n
         assert streamed[-1] == "[DONE]" and not any('"error"' in e for e in streamed)
         assert json.loads(streamed[-2])["usage"]["completion_tokens"] == n
         log = router.log_text()
