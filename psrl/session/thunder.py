@@ -309,6 +309,3 @@ class ThunderScheduler:
         """Continues that could not be carried out: the sessions are held again, since when they were."""
         for r in resumes:
             self.held[r.session_id] = now - r.held_s
-
-    def held_count(self) -> int:
-        return len(self.held)

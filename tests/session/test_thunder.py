@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from psrl.session.config import ThunderConfig
 from psrl.session.thunder import InstanceView, Resume, SessionView, ThunderScheduler, remaining_of
-from psrl.session.thunder_driver import ReadError, instances_from, resume_item, session_from_summary
+from psrl.session.thunder_driver import ReadError, ThunderDriver, instances_from, resume_item, session_from_summary
 
 A0, A1, B0 = ("a", "0"), ("a", "1"), ("b", "0")
 
@@ -450,3 +450,58 @@ def test_the_config_refuses_nonsense() -> None:
     ):
         with pytest.raises(ValueError):
             ThunderConfig(**bad).validate()
+
+
+# ---- the driver's rounds over a SessionControl that fails ------------------------------------------------------
+
+
+class _Control:
+    """Sessions in memory; `fail` names the call that raises (the others are applied)."""
+
+    def __init__(self, views: list[SessionView], fail: str | None = None) -> None:
+        self.views = {v.session_id: v for v in views}
+        self.fail = fail
+        self.resumed: list[str] = []
+
+    async def sessions(self) -> list[SessionView]:
+        return list(self.views.values())
+
+    async def hang(self, session_ids) -> None:
+        if self.fail == "hang":
+            raise RuntimeError("hang refused")
+
+    async def resume(self, resumes) -> None:
+        if self.fail == "resume":
+            raise RuntimeError("continue refused")
+        self.resumed += [r.session_id for r in resumes]
+
+    async def aclose(self) -> None:
+        pass
+
+
+async def _router(path: str) -> dict:
+    if path == "/workers":
+        return {"workers": [{"worker_id": "a", "labels": {"max_model_len": "1000"}}]}
+    return {"workers": [{"base_worker_id": "a", "dp_rank": 0, "kv_cache_usage": 0.0}]}
+
+
+async def test_a_continue_that_fails_holds_the_sessions_again_and_the_next_round_retries() -> None:
+    control = _Control([hung("h", 100)], fail="resume")
+    driver = ThunderDriver(ThunderConfig(buffer_per_session=100), _router, control, clock=lambda: 5.0)
+    holding(driver.scheduler, {"h": 1.0})
+    plan = await driver.step()
+    assert plan.resume == [] and driver.scheduler.held == {"h": 1.0}  # held again, since when it was
+    control.fail = None
+    plan = await driver.step()
+    assert [r.session_id for r in plan.resume] == ["h"] and control.resumed == ["h"]
+    assert "h" not in driver.scheduler.held
+
+
+async def test_a_hang_that_fails_is_decided_again_next_round() -> None:
+    """The refusal is only logged: the next round reads the session still running and hangs it again."""
+    control = _Control([env("big", 2000), env("small", 100)], fail="hang")
+    driver = ThunderDriver(ThunderConfig(buffer_per_session=0), _router, control)
+    assert (await driver.step()).hang == ["small"]  # smallest first; the instance's last session stays
+    control.fail = None
+    assert (await driver.step()).hang == ["small"]
+    assert driver.metrics.registry.get_sample_value("psrl_session_thunder_rounds_total") == 2
