@@ -433,7 +433,19 @@ def scatter_blocks(
     ``block_ids`` must be distinct (a repeat would make the result depend on copy order). ``num_tokens``
     as for ``gather_blocks``: the tokens of the last block past it are left untouched in the cache.
     """
-    layout = describe_kv_cache(layer_caches)
+    _scatter(describe_kv_cache(layer_caches), buffer, layer_caches, block_ids, num_threads, stream, num_tokens)
+
+
+def _scatter(
+    layout: KVCacheLayout,
+    buffer: ArrayLike,
+    layer_caches: Sequence[ArrayLike],
+    block_ids: BlockIds,
+    num_threads: int | None,
+    stream: int | None,
+    num_tokens: int | None,
+) -> None:
+    """scatter_blocks for a caller that has just described these very caches (psrl.kv.channels.nccl)."""
     for i, cache in enumerate(layer_caches):
         if isinstance(cache, np.ndarray) and not cache.flags.writeable:
             raise ValueError(f"layer_caches[{i}]: array is read-only")

@@ -9,12 +9,10 @@ import importlib.util
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-import numpy as np
+from typing import TYPE_CHECKING, cast
 
 from psrl import _kvx
-from psrl.kv.blocks import BlockIds, describe_kv_cache, gather_blocks, scatter_blocks
+from psrl.kv.blocks import BlockIds, _as_block_ids, _new_buffer, _scatter, describe_kv_cache, gather_blocks
 from psrl.kv.channels.base import require_cuda, torch_stream
 
 if TYPE_CHECKING:
@@ -126,11 +124,11 @@ class NcclChannel:
         """Receive a buffer from ``peer`` and scatter it into ``block_ids`` of CUDA caches, both on
         ``stream``; returns the buffer (same lifetime rule as :meth:`send_blocks`)."""
         layout = describe_kv_cache(layer_caches)
-        ids = np.asarray(block_ids)
+        ids = _as_block_ids(block_ids)
         cuda_stream = torch_stream(self.device, stream)
-        buffer = layer_caches[0].new_empty(layout.buffer_shape(len(ids)))
+        buffer = cast("torch.Tensor", _new_buffer(layer_caches[0], layout.buffer_shape(len(ids))))
         self.recv_tensor(buffer, peer, cuda_stream)
-        scatter_blocks(buffer, layer_caches, ids, stream=cuda_stream, num_tokens=num_tokens)
+        _scatter(layout, buffer, layer_caches, ids, None, cuda_stream, num_tokens)  # the caches are described
         return buffer
 
     def close(self, *, abort: bool = False) -> None:

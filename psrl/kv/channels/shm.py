@@ -35,6 +35,7 @@ from psrl.kv.blocks import (
     BlockIds,
     KVCacheLayout,
     KVLayoutMismatchError,
+    _as_block_ids,
     _gather,
     describe_kv_cache,
     gather_blocks,
@@ -514,7 +515,7 @@ def shm_send(
     raises.
     """
     layout = describe_kv_cache(layer_caches)
-    ids = np.asarray(block_ids)
+    ids = _as_block_ids(block_ids)
     channel = ShmChannel.create(layout, len(ids), num_tokens=num_tokens, name=name, pool=pool)
     try:  # the caches were just described: gather without describing them again
         _gather(layout, layer_caches, ids, channel.buffer(layer_caches[0]), num_threads, None, num_tokens)
