@@ -227,9 +227,10 @@ class Selector:
             return Selection(self.policy.select(candidates, request), "policy")
         if resolved.pinned is not None:
             return resolved.pinned
-        pinned = self._pinned(candidates, meta)  # a group pin written while the admission data was fetched
-        if pinned is not None:
-            return pinned
+        if self.config.enable_group_sticky:  # a group pin written while the admission data was fetched
+            grouped = step_group(candidates, meta, self.group_pins)
+            if grouped is not None:
+                return Selection(grouped[0], "group")
         assert resolved.admitted is not None
         if not resolved.admitted:
             return Selection(None, "admission", "no instance's version can admit this request")

@@ -23,7 +23,6 @@ logger = logging.getLogger(__name__)
 
 # Generate metadata asking for the routing from this position on (the router's side: psrl.router.pipeline.execute).
 ROUTED_EXPERTS_METADATA_KEY = "x-psrl-routed-experts-start"
-ROUTED_EXPERTS_SERVICE = pb.DESCRIPTOR.services_by_name["RoutedExperts"].full_name
 # The router takes an entry right after the complete frame; a TTL only bounds what nobody came for.
 DEFAULT_TTL_S = 120.0
 DEFAULT_MAX_BYTES = 256 << 20

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from psrl.router.errors import BadRequest
-from psrl.router.pipeline.context import Generation, GenerationInput, RoutedExperts, SamplingSpec, routed_experts_start
+from psrl.router.pipeline.context import Generation, GenerationInput, RoutedExperts, SamplingSpec
+from psrl.router.pipeline.parse import routed_experts_start
 from psrl.router.pipeline.partial_rollout import RolloutState, RoutedExpertsMismatch
 
 PROMPT = [5, 6, 7, 8, 9, 10]  # P = 6

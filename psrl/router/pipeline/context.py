@@ -95,18 +95,6 @@ class RoutedExperts:
         }
 
 
-def routed_experts_start(body: dict[str, Any]) -> int | None:
-    """SGLang's /generate fields: `return_routed_experts` (bool) and `routed_experts_start_len` (the first position
-    reported, 0..prompt length, default 0). None when routed experts are not asked for."""
-    asked = body.get("return_routed_experts", False)
-    if not isinstance(asked, bool):
-        raise BadRequest("return_routed_experts must be a boolean", param="return_routed_experts")
-    start = body.get("routed_experts_start_len")
-    if start is not None and (not isinstance(start, int) or isinstance(start, bool) or start < 0):
-        raise BadRequest("routed_experts_start_len must be a non-negative integer", param="routed_experts_start_len")
-    return (start or 0) if asked else None
-
-
 @dataclass
 class GenerationInput:
     """One prompt, ready for a replica."""

@@ -418,6 +418,8 @@ class GenerateRequestBody:
     return_logprob: bool
     return_prompt_token_ids: bool
     batched: bool
+    detokenize: bool = True  # sampling_params.detokenize: the output's text is returned too
+    routed_experts_start: int | None = None  # the first position whose routed experts are returned (None: not asked)
 
 
 def parse_generate(body: dict[str, Any]) -> GenerateRequestBody:
@@ -475,4 +477,18 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequestBody:
         return_logprob=return_logprob,
         return_prompt_token_ids=get_bool(body, "return_prompt_token_ids", False),
         batched=batched,
+        detokenize=(body.get("sampling_params") or {}).get("detokenize", True) is not False,
+        routed_experts_start=routed_experts_start(body),
     )
+
+
+def routed_experts_start(body: dict[str, Any]) -> int | None:
+    """SGLang's /generate fields: `return_routed_experts` (bool) and `routed_experts_start_len` (the first position
+    reported, 0..prompt length, default 0). None when routed experts are not asked for."""
+    asked = body.get("return_routed_experts", False)
+    if not isinstance(asked, bool):
+        raise BadRequest("return_routed_experts must be a boolean", param="return_routed_experts")
+    start = body.get("routed_experts_start_len")
+    if start is not None and (not isinstance(start, int) or isinstance(start, bool) or start < 0):
+        raise BadRequest("routed_experts_start_len must be a non-negative integer", param="routed_experts_start_len")
+    return (start or 0) if asked else None

@@ -32,7 +32,7 @@ from psrl.router.metadata import parse_routing_meta
 from psrl.router.metrics import RouterMetrics
 from psrl.router.pipeline import parse as P
 from psrl.router.pipeline import respond as R
-from psrl.router.pipeline.context import Generation, GenerationInput, routed_experts_start
+from psrl.router.pipeline.context import Generation, GenerationInput
 from psrl.router.pipeline.prepare import chat_prompt_ids, new_request_id, text_prompt_ids
 from psrl.router.pipeline.runner import Pipeline, RequestContext, Stage
 from psrl.router.pipeline.stops import output_text
@@ -204,16 +204,12 @@ async def prepare_completion(s: Services, ctx: RequestContext) -> None:
         ctx.inputs.append(GenerationInput(request_id, await text_prompt_ids(prompt, tok), req.sampling, req.stream))
 
 
-def _detokenize(body: dict[str, Any]) -> bool:
-    return (body.get("sampling_params") or {}).get("detokenize", True) is not False
-
-
 async def prepare_generate(s: Services, ctx: RequestContext) -> None:
     req = ctx.generate
     assert req is not None
-    if _detokenize(ctx.body) or any(isinstance(p, str) for p in req.prompts):
+    if req.detokenize or any(isinstance(p, str) for p in req.prompts):
         ctx.tokenizer = await s.tokenizers.get(ctx.model)
-    routed_start = routed_experts_start(ctx.body)
+    routed_start = req.routed_experts_start
     tok = ctx.tokenizer
     for prompt, request_id in zip(req.prompts, req.request_ids, strict=True):
         ids = await text_prompt_ids(prompt, tok, "text") if isinstance(prompt, str) and tok else prompt
@@ -233,7 +229,8 @@ async def prepare_generate(s: Services, ctx: RequestContext) -> None:
 async def execute(s: Services, ctx: RequestContext) -> None:
     """Each prompt's rollout, concurrently; the first failure cancels the others. A stream (one prompt) is only
     started: its deltas are read as the response is sent."""
-    refusal = explaining_refusal(ctx.chat.tool_choice) if ctx.chat is not None else contextlib.nullcontext()
+    forced = ctx.chat is not None and ctx.chat.tool_choice.forces_call  # only a forced call can be refused
+    refusal = explaining_refusal(ctx.chat.tool_choice) if forced and ctx.chat else contextlib.nullcontext()
     with refusal:
         if ctx.stream:
             rollout = Rollout(s.dispatcher, ctx.model, ctx.meta, ctx.inputs[0])
@@ -377,7 +374,7 @@ async def respond_completion(s: Services, ctx: RequestContext) -> None:
 async def respond_generate(s: Services, ctx: RequestContext) -> None:
     req, tok = ctx.generate, ctx.tokenizer
     assert req is not None
-    text_of = tok is not None and _detokenize(ctx.body)
+    text_of = tok is not None and req.detokenize
     outputs = []
     for gen_in, rollout, gens in zip(ctx.inputs, ctx.rollouts, ctx.results, strict=True):
         for i, (gen, state) in enumerate(zip(gens, rollout.states, strict=True)):
