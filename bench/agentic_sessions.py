@@ -47,7 +47,6 @@ import math
 import os
 import random
 import re
-import resource
 import signal
 import statistics
 import subprocess
@@ -63,9 +62,13 @@ import openai
 from benchlib import (
     Procs,
     environment,
+    fmt,
     install_signal_handlers,
     log_tail,
     machine_busy_s,
+    own_cpu_s,
+    percentile,
+    ratio,
     tree_cpu_s,
     wait_for_log,
 )
@@ -367,11 +370,6 @@ async def sample_state(fleet: Fleet, http: httpx.AsyncClient, counters: Counters
 # ---- CPU ------------------------------------------------------------------------------------------------------
 
 
-def own_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def cpu_sample(fleet: Fleet) -> dict[str, float]:
     sample = {"t": time.monotonic(), "machine": machine_busy_s(), "bench": own_cpu_s()}
     for part, pids in fleet.pids.items():
@@ -418,15 +416,6 @@ class Arm:
     error_samples: list[str]
     cpu: dict[str, float]
     commands: list[list[str]]
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 def mean_of(values: list[int] | list[float]) -> float:
@@ -529,16 +518,6 @@ def run_arm(arm: str, scripts: list[SessionScript], args: argparse.Namespace, lo
 # ---- report ---------------------------------------------------------------------------------------------------
 
 
-def _fmt(x: float, spec: str) -> str:
-    return "-" if isinstance(x, float) and math.isnan(x) else format(x, spec)
-
-
-def ratio(a: float, b: float) -> float:
-    if b > 0:
-        return a / b
-    return math.inf if a > 0 else math.nan
-
-
 ROWS: list[tuple[str, str, str]] = [
     ("turns answered", "turns_done", "d"),
     ("makespan (s)", "makespan_s", ".1f"),
@@ -579,9 +558,9 @@ def print_report(arms: list[Arm], args: argparse.Namespace) -> float:
     print(head)
     print("-" * len(head))
     for label, key, spec in ROWS:
-        line = f"{label:<24}" + "".join(f"{_fmt(getattr(a, key), spec):>15}" for a in arms)
+        line = f"{label:<24}" + "".join(f"{fmt(getattr(a, key), spec):>15}" for a in arms)
         if both:
-            line += f"{_fmt(ratio(getattr(by_arm['on'], key), getattr(by_arm['off'], key)), '.2f'):>9}"
+            line += f"{fmt(ratio(getattr(by_arm['on'], key), getattr(by_arm['off'], key)), '.2f'):>9}"
         print(line)
     for part in ("replicas", "router", "session", "bench", "others"):
         line = f"{'cores: ' + part:<24}" + "".join(f"{a.cpu.get(part, math.nan):>15.2f}" for a in arms)
@@ -600,7 +579,7 @@ def print_report(arms: list[Arm], args: argparse.Namespace) -> float:
     if not both:
         return math.nan
     r = ratio(by_arm["on"].turns_per_min, by_arm["off"].turns_per_min)
-    print(f"turns per minute on/off = {_fmt(r, '.2f')}")
+    print(f"turns per minute on/off = {fmt(r, '.2f')}")
     return r
 
 

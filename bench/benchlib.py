@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import os
 import platform
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -176,3 +178,27 @@ def tree_cpu_s(roots: list[int]) -> float:
         total += ticks.get(pid, 0)
         todo.extend(children.get(pid, []))
     return total / CLK_TCK
+
+
+def own_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def ratio(a: float, b: float) -> float:
+    if b > 0:
+        return a / b
+    return math.inf if a > 0 else math.nan
+
+
+def fmt(x: float, spec: str = ".2f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)

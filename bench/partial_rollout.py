@@ -53,7 +53,6 @@ import json
 import math
 import os
 import random
-import resource
 import signal
 import statistics
 import sys
@@ -66,10 +65,14 @@ import httpx
 from benchlib import (
     Procs,
     environment,
+    fmt,
     free_port,
     install_signal_handlers,
     log_tail,
     machine_busy_s,
+    own_cpu_s,
+    percentile,
+    ratio,
     tree_cpu_s,
     wait_for_log,
 )
@@ -439,15 +442,6 @@ class Leg:
     round: int = 1
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
 @dataclass
 class CpuUse:
     """Cores used over the window (CPU seconds / wall seconds)."""
@@ -457,11 +451,6 @@ class CpuUse:
     replicas: float  # the replicas' process trees (all of them together)
     bench: float  # this process: the clients and the coordinator
     others: float  # the rest: other people's jobs on a shared box skew the figures
-
-
-def own_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 CpuSample = tuple[float, float, float, float, float]
@@ -597,16 +586,6 @@ def run_strategy(strategy: str, args: argparse.Namespace, log_dir: Path, first_v
 # ---- report ----------------------------------------------------------------------------------------------------
 
 
-def _fmt(x: float, spec: str = ".2f") -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
-def ratio(a: float, b: float) -> float:
-    if b > 0:
-        return a / b
-    return math.inf if a > 0 else math.nan
-
-
 def print_report(legs: list[Leg], args: argparse.Namespace) -> dict[str, float]:
     lengths = (
         str(args.max_new_tokens) if args.min_new_tokens is None else f"{args.min_new_tokens}..{args.max_new_tokens}"
@@ -630,12 +609,12 @@ def print_report(legs: list[Leg], args: argparse.Namespace) -> dict[str, float]:
     print("-" * len(head))
     for leg in legs:
         label = leg.label + (f" #{leg.round}" if args.repeat > 1 else "")
-        ceiling = _fmt(leg.useful_tok_s / median["n"], ".0%") if median.get("n") else "-"
+        ceiling = fmt(leg.useful_tok_s / median["n"], ".0%") if median.get("n") else "-"
         print(
             f"{label:<25} {leg.completed:>5} {leg.useful_tok_s:>12.1f} {ceiling:>4} "
-            f"{_fmt(leg.useful_tok_per_replica_cpu_s, '.0f'):>9} {leg.wasted_tokens:>10} "
-            f"{_fmt(leg.latency_mean_s):>8} {_fmt(leg.latency_p50_s):>5} {_fmt(leg.latency_p99_s):>5} "
-            f"{leg.syncs:>5} {_fmt(leg.sync_mean_s, '.3f'):>9} {_fmt(leg.sync_max_s, '.3f'):>8} "
+            f"{fmt(leg.useful_tok_per_replica_cpu_s, '.0f'):>9} {leg.wasted_tokens:>10} "
+            f"{fmt(leg.latency_mean_s):>8} {fmt(leg.latency_p50_s):>5} {fmt(leg.latency_p99_s):>5} "
+            f"{leg.syncs:>5} {fmt(leg.sync_mean_s, '.3f'):>9} {fmt(leg.sync_max_s, '.3f'):>8} "
             f"{leg.paused_share:>7.0%} {leg.cpu.replicas:>4.2f} {leg.cpu.router:>4.2f} {leg.cpu.bench:>4.2f} "
             f"{leg.cpu.others:>4.2f}"
         )
@@ -669,7 +648,7 @@ def print_report(legs: list[Leg], args: argparse.Namespace) -> dict[str, float]:
     for other in ("b", "c"):
         if "a" in median and other in median:
             ratios[f"a/{other}"] = ratio(median["a"], median[other])
-            print(f"{what} (a)/({other}) = {_fmt(ratios[f'a/{other}'])}")
+            print(f"{what} (a)/({other}) = {fmt(ratios[f'a/{other}'])}")
     return ratios
 
 
@@ -759,7 +738,7 @@ def main(argv: list[str] | None = None) -> None:
                 legs.append(leg)
                 print(
                     f"  {leg.completed} done, {leg.useful_tok_s:.1f} useful tok/s, {leg.syncs} syncs "
-                    f"(mean {_fmt(leg.sync_mean_s, '.3f')} s), {leg.errors} errors",
+                    f"(mean {fmt(leg.sync_mean_s, '.3f')} s), {leg.errors} errors",
                     flush=True,
                 )
     finally:
