@@ -88,11 +88,12 @@ def test_sessions_beyond_the_capacity_are_held_then_every_turn_is_answered(stack
 
     assert results == [[200] * 4] * 8
     # the three held at creation were admitted, and growing contexts made the strategy hang running sessions
+    # (one hung at the end of its last turn is released by its DELETE rather than continued, so how many are
+    # continued as they fit depends on timing; none waited out the hold limit)
     assert metric(url, "psrl_session_thunder_continued_total", reason="admitted") >= 3
     assert metric(url, "psrl_session_thunder_hung_total") > 3
-    assert metric(url, "psrl_session_thunder_continued_total", reason="fits") >= 1
     assert metric(url, "psrl_session_thunder_continued_total", reason="max_hold") == 0
-    assert metric(url, "psrl_session_thunder_hold_seconds_count") >= 4
+    assert metric(url, "psrl_session_thunder_hold_seconds_count") >= 3
     wait_for(lambda: metric(url, "psrl_session_thunder_sessions_hung") == 0, "no session held once all closed")
     assert metric(url, "psrl_session_thunder_skipped_rounds_total") == 0
 
