@@ -63,7 +63,9 @@ async def test_the_coordinator_holds_hangs_and_continues_sessions_over_http(stac
             value = driver.metrics.registry.get_sample_value
             assert value("psrl_session_thunder_continued_total", {"reason": "admitted"}) >= 3
             assert value("psrl_session_thunder_continued_total", {"reason": "max_hold"}) == 0
-            assert value("psrl_session_thunder_hung_total") > 3  # growing contexts hung running sessions too
+            # the three held at creation; whether growing contexts also hang running sessions depends on how
+            # the agents' turns interleave (the rounds that do are tested in tests/session/test_thunder.py)
+            assert value("psrl_session_thunder_hung_total") >= 3
             assert value("psrl_session_thunder_skipped_rounds_total") == 0
             await until(lambda: value("psrl_session_thunder_sessions_hung") == 0, "nothing held once all closed")
         finally:

@@ -87,11 +87,12 @@ def test_sessions_beyond_the_capacity_are_held_then_every_turn_is_answered(stack
     results = run_agents(url, model, sids, turns=4)
 
     assert results == [[200] * 4] * 8
-    # the three held at creation were admitted, and growing contexts made the strategy hang running sessions
-    # (one hung at the end of its last turn is released by its DELETE rather than continued, so how many are
-    # continued as they fit depends on timing; none waited out the hold limit)
+    # the three held at creation were admitted. Whether growing contexts also hang running sessions, and how many
+    # are continued as they fit (one hung after its last turn is released by its DELETE), depends on how the
+    # agents' turns interleave: those rounds are tested in tests/session/test_thunder.py. None waited out the
+    # hold limit.
     assert metric(url, "psrl_session_thunder_continued_total", reason="admitted") >= 3
-    assert metric(url, "psrl_session_thunder_hung_total") > 3
+    assert metric(url, "psrl_session_thunder_hung_total") >= 3
     assert metric(url, "psrl_session_thunder_continued_total", reason="max_hold") == 0
     assert metric(url, "psrl_session_thunder_hold_seconds_count") >= 3
     wait_for(lambda: metric(url, "psrl_session_thunder_sessions_hung") == 0, "no session held once all closed")
