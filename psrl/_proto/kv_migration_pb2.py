@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epsrl/_proto/kv_migration.proto\x12\x07psrl.kv\"N\n\x0cPinKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12\x64\x61ta_parallel_rank\x18\x02 \x01(\x05\x12\x0e\n\x06ttl_ms\x18\x03 \x01(\r\"#\n\rPinKvResponse\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\"@\n\x0eUnpinKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12\x64\x61ta_parallel_rank\x18\x02 \x01(\x05\"#\n\x0fUnpinKvResponse\x12\x10\n\x08unpinned\x18\x01 \x01(\x08\"\xd3\x01\n\x11TransferKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12\x64\x61ta_parallel_rank\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x0f\n\x07\x63hannel\x18\x05 \x01(\t\x12\x13\n\x0blayout_json\x18\x06 \x01(\t\x12\x1a\n\x12\x61llow_prefix_cache\x18\x07 \x01(\x08\x12\x10\n\x08keep_pin\x18\x08 \x01(\x08\x12\x13\n\x0bstart_token\x18\t \x01(\r\"\x97\x01\n\x12TransferKvResponse\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x15\n\rtransfer_json\x18\x03 \x01(\t\x12\x0e\n\x06source\x18\x04 \x01(\t\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x11\n\tblock_ids\x18\x07 \x03(\r\"\'\n\x10ReleaseKvRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"8\n\x1aGetKvMigrationStatsRequest\x12\x1a\n\x12\x64\x61ta_parallel_rank\x18\x01 \x01(\x05\"\xe0\x01\n\x10KvMigrationStats\x12\x15\n\rtransfers_out\x18\x01 \x01(\x04\x12\x11\n\tbytes_out\x18\x02 \x01(\x04\x12\x14\n\x0ctransfers_in\x18\x03 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x04 \x01(\x04\x12\x11\n\ttokens_in\x18\x05 \x01(\x04\x12\x1b\n\x13transfer_seconds_in\x18\x06 \x01(\x01\x12\x11\n\tfallbacks\x18\x07 \x01(\x04\x12\x1e\n\x16prompt_tokens_computed\x18\x08 \x01(\x04\x12\x17\n\x0fpinned_requests\x18\t \x01(\r2\xe5\x02\n\x0bKvMigration\x12\x36\n\x05PinKv\x12\x15.psrl.kv.PinKvRequest\x1a\x16.psrl.kv.PinKvResponse\x12<\n\x07UnpinKv\x12\x17.psrl.kv.UnpinKvRequest\x1a\x18.psrl.kv.UnpinKvResponse\x12\x45\n\nTransferKv\x12\x1a.psrl.kv.TransferKvRequest\x1a\x1b.psrl.kv.TransferKvResponse\x12\x42\n\tReleaseKv\x12\x19.psrl.kv.ReleaseKvRequest\x1a\x1a.psrl.kv.ReleaseKvResponse\x12U\n\x13GetKvMigrationStats\x12#.psrl.kv.GetKvMigrationStatsRequest\x1a\x19.psrl.kv.KvMigrationStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epsrl/_proto/kv_migration.proto\x12\x07psrl.kv\"N\n\x0cPinKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12\x64\x61ta_parallel_rank\x18\x02 \x01(\x05\x12\x0e\n\x06ttl_ms\x18\x03 \x01(\r\"#\n\rPinKvResponse\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\"@\n\x0eUnpinKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12\x64\x61ta_parallel_rank\x18\x02 \x01(\x05\"#\n\x0fUnpinKvResponse\x12\x10\n\x08unpinned\x18\x01 \x01(\x08\"\xf4\x01\n\x11TransferKvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12\x64\x61ta_parallel_rank\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x0f\n\x07\x63hannel\x18\x05 \x01(\t\x12\x13\n\x0blayout_json\x18\x06 \x01(\t\x12\x1a\n\x12\x61llow_prefix_cache\x18\x07 \x01(\x08\x12\x10\n\x08keep_pin\x18\x08 \x01(\x08\x12\x13\n\x0bstart_token\x18\t \x01(\r\x12\x0f\n\x07node_id\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\"\x97\x01\n\x12TransferKvResponse\x12\x12\n\nnum_tokens\x18\x01 \x01(\r\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x15\n\rtransfer_json\x18\x03 \x01(\t\x12\x0e\n\x06source\x18\x04 \x01(\t\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x11\n\tblock_ids\x18\x07 \x03(\r\"\'\n\x10ReleaseKvRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"%\n\x11ReleaseKvResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"8\n\x1aGetKvMigrationStatsRequest\x12\x1a\n\x12\x64\x61ta_parallel_rank\x18\x01 \x01(\x05\"\xe0\x01\n\x10KvMigrationStats\x12\x15\n\rtransfers_out\x18\x01 \x01(\x04\x12\x11\n\tbytes_out\x18\x02 \x01(\x04\x12\x14\n\x0ctransfers_in\x18\x03 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x04 \x01(\x04\x12\x11\n\ttokens_in\x18\x05 \x01(\x04\x12\x1b\n\x13transfer_seconds_in\x18\x06 \x01(\x01\x12\x11\n\tfallbacks\x18\x07 \x01(\x04\x12\x1e\n\x16prompt_tokens_computed\x18\x08 \x01(\x04\x12\x17\n\x0fpinned_requests\x18\t \x01(\r2\xe5\x02\n\x0bKvMigration\x12\x36\n\x05PinKv\x12\x15.psrl.kv.PinKvRequest\x1a\x16.psrl.kv.PinKvResponse\x12<\n\x07UnpinKv\x12\x17.psrl.kv.UnpinKvRequest\x1a\x18.psrl.kv.UnpinKvResponse\x12\x45\n\nTransferKv\x12\x1a.psrl.kv.TransferKvRequest\x1a\x1b.psrl.kv.TransferKvResponse\x12\x42\n\tReleaseKv\x12\x19.psrl.kv.ReleaseKvRequest\x1a\x1a.psrl.kv.ReleaseKvResponse\x12U\n\x13GetKvMigrationStats\x12#.psrl.kv.GetKvMigrationStatsRequest\x1a\x19.psrl.kv.KvMigrationStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,17 +40,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UNPINKVRESPONSE']._serialized_start=226
   _globals['_UNPINKVRESPONSE']._serialized_end=261
   _globals['_TRANSFERKVREQUEST']._serialized_start=264
-  _globals['_TRANSFERKVREQUEST']._serialized_end=475
-  _globals['_TRANSFERKVRESPONSE']._serialized_start=478
-  _globals['_TRANSFERKVRESPONSE']._serialized_end=629
-  _globals['_RELEASEKVREQUEST']._serialized_start=631
-  _globals['_RELEASEKVREQUEST']._serialized_end=670
-  _globals['_RELEASEKVRESPONSE']._serialized_start=672
-  _globals['_RELEASEKVRESPONSE']._serialized_end=709
-  _globals['_GETKVMIGRATIONSTATSREQUEST']._serialized_start=711
-  _globals['_GETKVMIGRATIONSTATSREQUEST']._serialized_end=767
-  _globals['_KVMIGRATIONSTATS']._serialized_start=770
-  _globals['_KVMIGRATIONSTATS']._serialized_end=994
-  _globals['_KVMIGRATION']._serialized_start=997
-  _globals['_KVMIGRATION']._serialized_end=1354
+  _globals['_TRANSFERKVREQUEST']._serialized_end=508
+  _globals['_TRANSFERKVRESPONSE']._serialized_start=511
+  _globals['_TRANSFERKVRESPONSE']._serialized_end=662
+  _globals['_RELEASEKVREQUEST']._serialized_start=664
+  _globals['_RELEASEKVREQUEST']._serialized_end=703
+  _globals['_RELEASEKVRESPONSE']._serialized_start=705
+  _globals['_RELEASEKVRESPONSE']._serialized_end=742
+  _globals['_GETKVMIGRATIONSTATSREQUEST']._serialized_start=744
+  _globals['_GETKVMIGRATIONSTATSREQUEST']._serialized_end=800
+  _globals['_KVMIGRATIONSTATS']._serialized_start=803
+  _globals['_KVMIGRATIONSTATS']._serialized_end=1027
+  _globals['_KVMIGRATION']._serialized_start=1030
+  _globals['_KVMIGRATION']._serialized_end=1387
 # @@protoc_insertion_point(module_scope)

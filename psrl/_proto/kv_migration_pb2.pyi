@@ -37,7 +37,7 @@ class UnpinKvResponse(_message.Message):
     def __init__(self, unpinned: _Optional[bool] = ...) -> None: ...
 
 class TransferKvRequest(_message.Message):
-    __slots__ = ("request_id", "data_parallel_rank", "token_ids", "max_tokens", "channel", "layout_json", "allow_prefix_cache", "keep_pin", "start_token")
+    __slots__ = ("request_id", "data_parallel_rank", "token_ids", "max_tokens", "channel", "layout_json", "allow_prefix_cache", "keep_pin", "start_token", "node_id", "device")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,8 @@ class TransferKvRequest(_message.Message):
     ALLOW_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     KEEP_PIN_FIELD_NUMBER: _ClassVar[int]
     START_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     data_parallel_rank: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -56,7 +58,9 @@ class TransferKvRequest(_message.Message):
     allow_prefix_cache: bool
     keep_pin: bool
     start_token: int
-    def __init__(self, request_id: _Optional[str] = ..., data_parallel_rank: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., channel: _Optional[str] = ..., layout_json: _Optional[str] = ..., allow_prefix_cache: _Optional[bool] = ..., keep_pin: _Optional[bool] = ..., start_token: _Optional[int] = ...) -> None: ...
+    node_id: str
+    device: str
+    def __init__(self, request_id: _Optional[str] = ..., data_parallel_rank: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., channel: _Optional[str] = ..., layout_json: _Optional[str] = ..., allow_prefix_cache: _Optional[bool] = ..., keep_pin: _Optional[bool] = ..., start_token: _Optional[int] = ..., node_id: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class TransferKvResponse(_message.Message):
     __slots__ = ("num_tokens", "transfer_id", "transfer_json", "source", "nbytes", "reason", "block_ids")

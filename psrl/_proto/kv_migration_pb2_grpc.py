@@ -80,7 +80,8 @@ class KvMigrationServicer:
 
     def TransferKv(self, request, context):
         """Gather the KV of the longest prefix of token_ids this rank holds for the request (its pin; or, when
-        allowed, its prefix cache) into a new channel and describe it. num_tokens 0 means nothing to move.
+        allowed, its prefix cache) into a new channel and describe it. num_tokens 0 means nothing to move, and
+        `reason` says why (nothing held, a layout mismatch, no channel served between the two ends, ...).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,5 +1,6 @@
 """KV-cache block movement for migrating requests between engines: gather/scatter (psrl._kvx), layout
-descriptors, LMCache-compatible chunk keys, the transfer planner and the channels (shm, CUDA IPC, NCCL)."""
+descriptors, LMCache-compatible chunk keys, the transfer planner, the channels (shm, CUDA IPC, NCCL) and the
+choice of channel between two replicas (placement)."""
 
 from psrl.kv.blocks import (
     HAS_CUDA,
@@ -33,10 +34,21 @@ from psrl.kv.channels import (
 )
 from psrl.kv.chunk_keys import CacheEngineKey, ChunkKeyError, chunk_hashes, chunk_keys, chunk_ranges, none_hash
 from psrl.kv.layout import KVCacheSpec, LayoutError, LayoutMismatch, check_compatible
+from psrl.kv.placement import (
+    NODE_ID_ENV,
+    DeviceKind,
+    KvChannel,
+    KvEnd,
+    choose_channel,
+    device_kind,
+    joining_channels,
+    local_node_id,
+)
 from psrl.kv.planner import BlockCopy, BlockSizeMismatch, NotEnoughBlocks, PlanError, TransferPlan, plan_transfer
 
 __all__ = [
     "HAS_CUDA",
+    "NODE_ID_ENV",
     "ArrayLike",
     "BlockCopy",
     "BlockSizeMismatch",
@@ -46,10 +58,13 @@ __all__ = [
     "CudaIpcDescriptor",
     "CudaIpcExport",
     "CudaUnavailableError",
+    "DeviceKind",
     "KVCacheLayout",
     "KVCacheSpec",
     "KVChannelError",
     "KVLayoutMismatchError",
+    "KvChannel",
+    "KvEnd",
     "LayoutError",
     "LayoutMismatch",
     "NcclChannel",
@@ -66,11 +81,15 @@ __all__ = [
     "TransferPlan",
     "buffer_shape",
     "check_compatible",
+    "choose_channel",
     "chunk_hashes",
     "chunk_keys",
     "chunk_ranges",
     "describe_kv_cache",
+    "device_kind",
     "gather_blocks",
+    "joining_channels",
+    "local_node_id",
     "nccl_get_unique_id",
     "none_hash",
     "plan_transfer",

@@ -23,6 +23,8 @@ REFERENCE_ONLY = (
     "device",
     "torch_threads",
 )
+# Hosts that listen on every address: no peer can dial them.
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
 
 
 @dataclass
@@ -33,6 +35,16 @@ class WorkerArgs:
         choices=ENGINES,
     )
     host: str = setting("127.0.0.1", help="address to listen on")
+    advertise_host: str | None = setting(
+        None,
+        help="the host this replica registers with the router (which gives it to KV peers), when --host is not "
+        "one others dial: 0.0.0.0, or one of several addresses; default: --host",
+    )
+    node_id: str | None = setting(
+        None,
+        help="the node this replica runs on: replicas of one node move KV through shared memory, others not "
+        "(psrl.kv.choose_channel); default $PSRL_NODE_ID, else this host's name and boot id",
+    )
     port: int = setting(0, help="gRPC port; 0: any free port (printed at start)")
     model: str | None = setting(
         None, help="model folder (config.json + tokenizer [+ weights]); default: a tiny Qwen2-style folder built here"
@@ -111,10 +123,29 @@ class WorkerArgs:
                 "--kv-pin-max-mib bounds a vLLM replica's pins (--engine vllm); the reference engine "
                 "pins its own blocks"
             )
+        if self.router and self.host.strip("[]") in WILDCARD_HOSTS and not self.advertise_host:
+            raise ValueError(
+                f"--host {self.host} listens on every address, which a router cannot dial: give --advertise-host "
+                "(the name or address the router and KV peers reach this replica at)"
+            )
         if self.router_api_key and self.router_api_key_file:
             raise ValueError("--router-api-key and --router-api-key-file: give one")
         self.replica_token()  # an unreadable or empty token file fails here, before anything starts
         self.registration_key()
+
+    def node(self) -> str:
+        """The node id: --node-id, else this machine's (psrl.kv.local_node_id)."""
+        from psrl.kv.placement import local_node_id  # here: psrl.kv loads numpy, and config modules stay light
+
+        return self.node_id or local_node_id()
+
+    def advertised(self, bound: str) -> str:
+        """The `host:port` others reach this replica at, given the `host:port` its server is bound at."""
+        if not self.advertise_host:
+            return bound
+        port = bound.rpartition(":")[2]
+        host = self.advertise_host
+        return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
     def replica_token(self) -> str | None:
         """The token every call to this replica (and from it to its KV peers) carries; None: open."""

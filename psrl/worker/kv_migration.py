@@ -12,6 +12,11 @@ shared-memory segment; the destination reserves blocks, scatters the segment int
 psrl.kv.plan_transfer), acknowledges with ReleaseKv, and admits the request with that KV (PreloadedKV), so
 only the last prompt token is prefilled. Any failure (source gone, timeout, nothing held, layout mismatch, no
 room) falls back to recompute: slower, never wrong.
+
+The channel: the destination sends its node id and device kind, and the source picks the channel from both
+ends (psrl.kv.choose_channel). Shared memory is the only one served yet: a pair that needs CUDA IPC or NCCL, or
+two nodes with a CPU end (CPU KV does not cross hosts), gets a reason instead, and the destination recomputes.
+A peer that sends no node id (one from before node ids) is taken to be on this node, as every peer was then.
 """
 
 from __future__ import annotations
@@ -36,10 +41,23 @@ import grpc
 
 from psrl._proto import kv_migration_pb2, kv_migration_pb2_grpc
 from psrl.engine import AsyncEngine, InvalidRequestError, KvSource, PreloadedKV
-from psrl.kv import ArrayLike, KVCacheSpec, LayoutError, check_compatible, plan_transfer
+from psrl.kv import (
+    ArrayLike,
+    DeviceKind,
+    KVCacheSpec,
+    KvChannel,
+    KvEnd,
+    LayoutError,
+    check_compatible,
+    choose_channel,
+    device_kind,
+    joining_channels,
+    plan_transfer,
+)
 from psrl.kv.channels import ShmChannel, ShmMappings, ShmPool, ShmTransfer, shm_receive, shm_send
 from psrl.replica_auth import token_interceptors
 from psrl.serving.json_body import JsonBodyError, loads_bounded
+from psrl.worker.config import WILDCARD_HOSTS
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +74,8 @@ class TransferMode(enum.StrEnum):
 
 # A gathered segment the peer never acknowledged is freed after this long (swept every quarter of it).
 UNACKED_TRANSFER_TTL_S = 60.0
+# The channels this replica's KvMigration serves (CUDA IPC and NCCL are not served yet: such a pair recomputes).
+SERVED_CHANNELS = frozenset({KvChannel.SHM})
 
 
 _layouts: weakref.WeakKeyDictionary[AsyncEngine, KVCacheSpec] = weakref.WeakKeyDictionary()
@@ -129,6 +149,10 @@ class KvHolder(Protocol):
 
     def block_size(self, rank: int) -> int: ...
 
+    def device(self, rank: int) -> DeviceKind:
+        """Where this rank's KV cache is (the channel to a peer depends on it)."""
+        ...
+
     def hold(self, rank: int, request_id: str, tokens: Sequence[int], *, allow_prefix_cache: bool) -> HeldKv | None:
         """The longest prefix of `tokens` held for `request_id` (its pin; with `allow_prefix_cache` and no pin,
         full blocks of the prefix cache), lent until `release`; None when nothing is held."""
@@ -162,6 +186,9 @@ class EngineKvHolder:
     def block_size(self, rank: int) -> int:
         return self.engines[rank].engine.cache_config.block_size
 
+    def device(self, rank: int) -> DeviceKind:
+        return device_kind(self.engines[rank].engine.kv_cache.layers[0])
+
     def hold(self, rank: int, request_id: str, tokens: Sequence[int], *, allow_prefix_cache: bool) -> HeldKv | None:
         engine = self.engines[rank].engine
         lease = engine.lease_kv(request_id, tokens, allow_prefix_cache=allow_prefix_cache)
@@ -184,11 +211,12 @@ class EngineKvHolder:
 
 
 class KvMigrationServicer(kv_migration_pb2_grpc.KvMigrationServicer):
-    """The source side, one instance per replica over what its `KvHolder` holds; also holds every rank's
-    counters (the destination side adds to them)."""
+    """The source side, one instance per replica (on node `node_id`) over what its `KvHolder` holds; also holds
+    every rank's counters (the destination side adds to them)."""
 
-    def __init__(self, holder: KvHolder, *, shm_pool_bytes: int = 0) -> None:
+    def __init__(self, holder: KvHolder, *, node_id: str, shm_pool_bytes: int = 0) -> None:
         self.holder = holder
+        self.node_id = node_id
         self.counters = [MigrationCounters() for _ in range(holder.num_ranks)]
         # Segments kept between transfers (0: a fresh segment per transfer); see psrl.kv.ShmPool.
         self.shm_pool = ShmPool(shm_pool_bytes) if shm_pool_bytes > 0 else None
@@ -238,8 +266,9 @@ class KvMigrationServicer(kv_migration_pb2_grpc.KvMigrationServicer):
     ) -> kv_migration_pb2.TransferKvResponse:
         rank = await self._rank(request.data_parallel_rank, context)
         await self._end(self._expired(), read=False)
-        if request.channel not in ("", "shm"):
-            return kv_migration_pb2.TransferKvResponse(reason=f"channel {request.channel!r} is not served here")
+        refused = self._channel_refusal(rank, request)
+        if refused is not None:
+            return kv_migration_pb2.TransferKvResponse(reason=refused)
         if request.layout_json:
             try:
                 peer_layout = loads_bounded(request.layout_json)
@@ -284,6 +313,30 @@ class KvMigrationServicer(kv_migration_pb2_grpc.KvMigrationServicer):
             nbytes=channel.transfer.nbytes,
             block_ids=held.block_ids,
         )
+
+    def _channel_refusal(self, rank: int, request: kv_migration_pb2.TransferKvRequest) -> str | None:
+        """Why no channel this replica serves joins it to the peer (None: shared memory does). The peer's node
+        id and device pick the channel; a peer that names none is on this node and asks for what it names."""
+        if not request.node_id:  # a peer from before node ids: on this node, as every peer was then
+            channel = request.channel or KvChannel.SHM
+            return None if channel in SERVED_CHANNELS else f"channel {channel} is not served by this replica yet"
+        try:
+            peer = KvEnd(request.node_id, DeviceKind(request.device))
+        except ValueError:
+            return f"unknown device kind {request.device!r}"
+        here = KvEnd(self.node_id, self.holder.device(rank))
+        joining = joining_channels(here, peer)
+        if not joining:
+            return (
+                f"CPU KV does not cross hosts: the source is on node {here.node_id!r} ({here.device}), "
+                f"the destination on node {peer.node_id!r} ({peer.device})"
+            )
+        chosen = choose_channel(here, peer, SERVED_CHANNELS)
+        if chosen is None:
+            return f"channel {joining[0]} is not served by this replica yet"
+        if request.channel and request.channel != chosen:
+            return f"channel {request.channel!r} asked for; {chosen} joins these two ends"
+        return None
 
     async def ReleaseKv(
         self, request: kv_migration_pb2.ReleaseKvRequest, context: grpc.aio.ServicerContext
@@ -443,7 +496,6 @@ class KvTransferParams:
 
 
 _LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
-_WILDCARD = frozenset({"", "0.0.0.0", "::"})
 
 
 def _host_port(target: str) -> tuple[str, int | None]:
@@ -454,20 +506,23 @@ def _host_port(target: str) -> tuple[str, int | None]:
         return target.lower(), None
 
 
-def same_server(bound: str) -> Callable[[str], bool]:
-    """A test of whether a `host:port` target names the server bound at `bound` (its own `host:port`): the same
-    port, and a host the bound address answers on: itself; any loopback name for a loopback address; for a
-    wildcard address, also this machine's name and addresses. (A specific address answers on nothing else:
-    another process may hold the same port on another address.)"""
+def same_server(bound: str, advertised: str | None = None) -> Callable[[str], bool]:
+    """A test of whether a `host:port` target names the server bound at `bound` (its own `host:port`) and
+    registered as `advertised` (`host:port`, --advertise-host): the same port, and a host the bound address
+    answers on: itself; any loopback name for a loopback address; for a wildcard address, also this machine's
+    name and addresses; and the advertised host. (A specific address answers on nothing else: another process
+    may hold the same port on another address.)"""
     bound_host, bound_port = _host_port(bound)
     hosts = {bound_host}
-    if bound_host in _LOOPBACK or bound_host in _WILDCARD:
+    if advertised is not None:
+        hosts.add(_host_port(advertised)[0])
+    if bound_host in _LOOPBACK or bound_host in WILDCARD_HOSTS:
         hosts |= _LOOPBACK
-    if bound_host in _WILDCARD:
+    if bound_host in WILDCARD_HOSTS:
         names = {socket.gethostname(), socket.getfqdn()}
         with contextlib.suppress(OSError):
             names |= {str(info[4][0]) for info in socket.getaddrinfo(socket.gethostname(), None)}
-        hosts |= _WILDCARD | {n.lower() for n in names}
+        hosts |= WILDCARD_HOSTS | {n.lower() for n in names}
 
     def test(target: str) -> bool:
         host, port = _host_port(target)
@@ -485,6 +540,11 @@ def tokens_to_take(prompt_len: int, params: KvTransferParams, *, whole_blocks_of
     if whole_blocks_of:
         want -= want % whole_blocks_of
     return max(want, 0)
+
+
+class KvNotOffered(LookupError):
+    """The source sent no KV beyond what the destination holds; the message is the source's reason (nothing
+    held, a layout mismatch, no channel served between the two ends, ...)."""
 
 
 @dataclass(frozen=True)
@@ -506,11 +566,17 @@ class KvOffer:
 class KvSourceClient:
     """A destination's calls to its sources' KvMigration services, shared by the reference replica's puller
     and the vLLM connector: TransferKv (what the source holds beyond what is here), then ReleaseKv or UnpinKv
-    in the background (a source that never hears them frees the KV at its own TTLs). `token`: the replicas'
-    shared token (psrl.replica_auth), sent on every call; a peer that refuses it costs a recompute."""
+    in the background (a source that never hears them frees the KV at its own TTLs). The replica's server is
+    bound at `self_target` and registered as `advertised` (see `same_server`); it runs on node `node_id`, sent
+    to each source, which chooses the channel from it. `token`: the replicas' shared token
+    (psrl.replica_auth), sent on every call; a peer that refuses it costs a recompute."""
 
-    def __init__(self, self_target: str, *, token: str | None = None) -> None:
-        self._is_self = same_server(self_target)  # a source on this replica's own server needs no transfer
+    def __init__(
+        self, self_target: str, *, node_id: str, advertised: str | None = None, token: str | None = None
+    ) -> None:
+        # A source on this replica's own server needs no transfer.
+        self._is_self = same_server(self_target, advertised)
+        self.node_id = node_id
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._interceptors = token_interceptors(token)
         self._acks: set[asyncio.Task[None]] = set()
@@ -527,26 +593,34 @@ class KvSourceClient:
         return kv_migration_pb2_grpc.KvMigrationStub(channel)
 
     async def offer(
-        self, params: KvTransferParams, prompt: Sequence[int], *, start: int, want: int, layout: KVCacheSpec
-    ) -> KvOffer | None:
-        """Ask the source for the KV of prompt tokens [start, want) (fewer if it holds fewer); None when it has
-        nothing beyond `start` (logged with its reason). Raises on a broken source or a malformed answer."""
+        self,
+        params: KvTransferParams,
+        prompt: Sequence[int],
+        *,
+        start: int,
+        want: int,
+        layout: KVCacheSpec,
+        device: DeviceKind,
+    ) -> KvOffer:
+        """Ask the source for the KV of prompt tokens [start, want) (fewer if it holds fewer) for a cache of
+        `layout` on `device`, the source choosing the channel. KvNotOffered (its reason) when it sends nothing
+        beyond `start`; raises too on a broken source or a malformed answer."""
         reply = await self._stub(params.source_target).TransferKv(
             kv_migration_pb2.TransferKvRequest(
                 request_id=params.request_id,
                 data_parallel_rank=params.source_dp_rank,
                 token_ids=prompt,
                 max_tokens=want,
-                channel="shm",
                 layout_json=json.dumps(layout.to_dict()),
                 allow_prefix_cache=params.mode != TransferMode.PIN_SYNC,
                 keep_pin=False,
                 start_token=start,
+                node_id=self.node_id,
+                device=device,
             )
         )
         if reply.num_tokens == 0:
-            logger.info("KV pull for %s: nothing to move (%s)", params.request_id, reply.reason)
-            return None
+            raise KvNotOffered(reply.reason)
         offer = None
         try:
             n = reply.num_tokens
@@ -603,19 +677,14 @@ def log_fallback(params: KvTransferParams, e: BaseException) -> None:
 
 
 class KvPuller:
-    """The reference replica's destination side: fetch a request's KV from its source into reserved blocks of
-    one engine."""
+    """The reference replica's destination side: fetch a request's KV from its source (through `client`) into
+    reserved blocks of one engine."""
 
     def __init__(
-        self,
-        counters: list[MigrationCounters],
-        self_target: str,
-        *,
-        shm_mappings_bytes: int = 0,
-        token: str | None = None,
+        self, counters: list[MigrationCounters], client: KvSourceClient, *, shm_mappings_bytes: int = 0
     ) -> None:
         self._counters = counters
-        self.client = KvSourceClient(self_target, token=token)
+        self.client = client
         # Pooled source segments kept mapped between transfers (0: map each one for its transfer only).
         self.shm_mappings = ShmMappings(shm_mappings_bytes) if shm_mappings_bytes > 0 else None
 
@@ -623,7 +692,7 @@ class KvPuller:
         self, engine: AsyncEngine, rank: int, prompt: Sequence[int], params: KvTransferParams
     ) -> PreloadedKV | None:
         """The KV of the longest prefix of `prompt` the source holds, in fresh blocks of `engine`; None (a
-        fallback to recompute, counted) when nothing could be moved within the timeout."""
+        fallback to recompute, counted, its reason logged) when nothing could be moved within the timeout."""
         counters = self._counters[rank]
         start = time.perf_counter()
         if self.client.is_self(params, rank):
@@ -652,7 +721,8 @@ class KvPuller:
     async def _pull(
         self, engine: AsyncEngine, prompt: Sequence[int], params: KvTransferParams
     ) -> tuple[PreloadedKV, int, int] | None:
-        """(the request's KV, tokens moved in, bytes moved) or None when the source has nothing for it."""
+        """(the request's KV, tokens moved in, bytes moved); None when it needs nothing moved, KvNotOffered when
+        the source sends nothing."""
         want = tokens_to_take(len(prompt), params)
         if want <= 0:
             return None
@@ -667,10 +737,10 @@ class KvPuller:
         reserved: list[int] = []
         offer: KvOffer | None = None
         try:
-            offer = await self.client.offer(params, prompt, start=start, want=want, layout=layout_of(engine))
-            if offer is None:
-                engine.engine.release_blocks(held)
-                return None
+            layers = engine.engine.kv_cache.layers
+            offer = await self.client.offer(
+                params, prompt, start=start, want=want, layout=layout_of(engine), device=device_kind(layers[0])
+            )
             n = offer.num_tokens
             reserved = engine.engine.reserve_blocks(n - start)
             table = held + reserved

@@ -32,10 +32,12 @@ def registration_body(
     kv_capacity_tokens: int,
     dp_size: int,
     kv_block_size: int,
+    node_id: str,
     tp_size: int = 1,
     worker_id: str | None = None,
 ) -> dict:
-    """The body PSRL's replicas send; label values are strings."""
+    """The body PSRL's replicas send; label values are strings. The router keeps labels it does not read, such
+    as `node_id`, and shows them in GET /workers."""
     body: dict = {
         "url": grpc_url,
         "worker_type": "regular",
@@ -48,6 +50,7 @@ def registration_body(
             "tp_size": str(tp_size),
             "pp_size": "1",
             "kv_block_size": str(kv_block_size),
+            "node_id": node_id,
         },
     }
     if worker_id is not None:
@@ -164,21 +167,25 @@ async def serve_replica(
     engine: str | None = None,
     replica_token: str | None = None,
 ) -> bool:
-    """`serve_until_stopped` for a replica started from the command line: its PSRL_WORKER_READY line (with
-    `engine=` when not the reference one) and, with `--router`, its registration (with the router's admin key,
-    `args.registration_key()`; `replica_token`: the one this replica's server requires)."""
+    """`serve_until_stopped` for a replica started from the command line, whose server is bound at `target`:
+    its PSRL_WORKER_READY line (with `engine=` when not the reference one) and, with `--router`, its
+    registration (with the router's admin key, `args.registration_key()`; `replica_token`: the one this
+    replica's server requires). Both name the address others reach it at (`--advertise-host`, else the bound
+    one; WorkerArgs.validate refuses a wildcard bind without it)."""
+    url = f"grpc://{args.advertised(target)}"
     body = None
     if args.router:
         body = registration_body(
-            grpc_url=f"grpc://{target}",
+            grpc_url=url,
             served_model_name=served_name,
             kv_capacity_tokens=kv_capacity_tokens,
             dp_size=args.dp_size,
             tp_size=tp_size,
             kv_block_size=kv_block_size,
+            node_id=args.node(),
             worker_id=args.worker_id,
         )
-    ready = f"PSRL_WORKER_READY grpc://{target} dp_size={args.dp_size} model={served_name}"
+    ready = f"PSRL_WORKER_READY {url} dp_size={args.dp_size} model={served_name}"
     if engine is not None:
         ready += f" engine={engine}"
     return await serve_until_stopped(

@@ -11,7 +11,8 @@ each acting on every dp rank at once. While paused or after FailSync, a new Gene
 complete frame. Nothing to configure: the service is always registered. So is `psrl.kv.KvMigration`
 (proto/psrl/_proto/kv_migration.proto, psrl/worker/kv_migration.py): a sync abort pins each request's KV for
 `--kv-pin-ttl-s`, a peer pulls it with TransferKv, and a Generate with `kv_transfer_params_json` pulls its KV
-from the source named there before (or, mode async, while) it waits to run.
+from the source named there before (or, mode async, while) it waits to run; the two replicas' node ids
+(`--node-id`) and devices decide whether a channel joins them.
 
 With a token (`--replica-token-file`, else $PSRL_REPLICA_TOKEN) every call to this server but gRPC health and
 reflection must carry metadata `authorization: Bearer <token>`, and the replica sends it to its KV peers
@@ -30,7 +31,7 @@ from psrl.engine import AsyncEngine, CacheConfig, Engine
 from psrl.worker.config import WorkerArgs, parse_args
 from psrl.worker.control import ReplicaControlServicer
 from psrl.worker.grpc_services import add_health_and_reflection, replica_grpc_server
-from psrl.worker.kv_migration import EngineKvHolder, KvMigrationServicer, KvPuller
+from psrl.worker.kv_migration import EngineKvHolder, KvMigrationServicer, KvPuller, KvSourceClient
 from psrl.worker.model_folder import build_tiny_model_folder, load_model_folder
 from psrl.worker.registration import serve_replica
 from psrl.worker.servicer import ReferenceServicer
@@ -67,8 +68,11 @@ async def serve(args: WorkerArgs) -> None:
         e.engine.kv_pin_ttl_s = args.kv_pin_ttl_s or None
     token = args.replica_token()
     server, target = replica_grpc_server(args.host, args.port, token=token)
-    migration = KvMigrationServicer(EngineKvHolder(engines), shm_pool_bytes=args.kv_shm_pool_mib << 20)
-    kv_puller = KvPuller(migration.counters, target, shm_mappings_bytes=args.kv_shm_pool_mib << 20, token=token)
+    node_id = args.node()
+    pool_bytes = args.kv_shm_pool_mib << 20
+    migration = KvMigrationServicer(EngineKvHolder(engines), node_id=node_id, shm_pool_bytes=pool_bytes)
+    client = KvSourceClient(target, node_id=node_id, advertised=args.advertised(target), token=token)
+    kv_puller = KvPuller(migration.counters, client, shm_mappings_bytes=pool_bytes)
     servicer = ReferenceServicer(engines, folder, served_name, kv_puller)
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
     replica_control_pb2_grpc.add_ReplicaControlServicer_to_server(ReplicaControlServicer(engines), server)

@@ -21,9 +21,10 @@ KV beyond the block-aligned local prefix-cache hit, in whole blocks, never the l
 decides what vLLM allocates; the worker side then scatters the segment into those blocks: before the step's
 forward (`sync`, `pin_sync`), or beside the steps with the request waiting for it (`async`, vLLM's
 asynchronous load). Back on its own replica a request takes its pin from memory, no transfer. Any failure
-(source gone, timeout, nothing held, layout mismatch, a changed local hit) loads nothing and the request is
-prefilled; a failed copy is reported through `get_block_ids_with_load_errors`, so vLLM recomputes those
-blocks: slower, never wrong. The complete frame's `kv_transfer_params_json` reports `{"moved_tokens": n}`.
+(source gone, timeout, nothing held, layout mismatch, no channel served between the two ends, a changed local
+hit) loads nothing and the request is prefilled; a failed copy is reported through
+`get_block_ids_with_load_errors`, so vLLM recomputes those blocks: slower, never wrong. The complete frame's
+`kv_transfer_params_json` reports `{"moved_tokens": n}`.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from vllm.v1.request import RequestStatus
 from psrl._proto import kv_migration_pb2_grpc
 from psrl.credentials import load_replica_token
 from psrl.engine import KvSource, common_prefix
-from psrl.kv import KVCacheSpec, LayoutError, gather_blocks, scatter_blocks
+from psrl.kv import DeviceKind, KVCacheSpec, LayoutError, device_kind, gather_blocks, scatter_blocks
 from psrl.kv.channels import ShmChannel, ShmMappings, ShmTransfer, shm_receive
 from psrl.worker.kv_migration import (
     UNACKED_TRANSFER_TTL_S,
@@ -82,18 +83,23 @@ _RANDOM_SUFFIX = 9  # vLLM makes its internal request id `{id}-{8 random charact
 def kv_transfer_config(
     *,
     self_target: str,
+    advertised: str,
+    node_id: str,
     side_channel: str,
     pin_ttl_s: float,
     shm_pool_bytes: int,
     pin_max_bytes: int,
     replica_token_file: str | None = None,
 ) -> dict[str, Any]:
-    """vLLM's `--kv-transfer-config` that loads this connector (a replica's own server at `self_target`).
+    """vLLM's `--kv-transfer-config` that loads this connector (a replica's own server bound at `self_target`,
+    registered as `advertised`, on node `node_id`).
 
     The replicas' token is never put in it (vLLM logs its config): the engine core reads it the way the replica
     did, from `replica_token_file` or else from $PSRL_REPLICA_TOKEN, which it inherits."""
     extra: dict[str, Any] = {
         "self_target": self_target,
+        "advertised": advertised,
+        "node_id": node_id,
         "side_channel": side_channel,
         "pin_ttl_s": pin_ttl_s,
         "shm_pool_bytes": shm_pool_bytes,
@@ -253,6 +259,7 @@ class _Shared:
         self.pin_max_bytes = int(extra.get("pin_max_bytes", 1 << 30))
         self.side_channel = str(extra["side_channel"])
         self.client_target = str(extra["self_target"])
+        self.node_id = str(extra["node_id"])
         self.shm_pool_bytes = int(extra.get("shm_pool_bytes", 0))
         self.counters = MigrationCounters()
         self.prompt_tokens_computed = 0
@@ -266,7 +273,9 @@ class _Shared:
         self._thread.start()
         # Its channels are made on the loop, when first used; it calls peers' public servers, so with the token.
         token = load_replica_token(extra.get("replica_token_file"))
-        self.client = KvSourceClient(self.client_target, token=token)
+        self.client = KvSourceClient(
+            self.client_target, node_id=self.node_id, advertised=str(extra["advertised"]), token=token
+        )
         self._server: grpc.aio.Server | None = None
         self._servicer: KvMigrationServicer | None = None
 
@@ -283,7 +292,7 @@ class _Shared:
         logger.info("KV migration side channel at %s (%s)", self.side_channel, layout)
 
     async def _serve(self) -> None:
-        self._servicer = KvMigrationServicer(_PinHolder(self), shm_pool_bytes=self.shm_pool_bytes)
+        self._servicer = KvMigrationServicer(_PinHolder(self), node_id=self.node_id, shm_pool_bytes=self.shm_pool_bytes)
         self._servicer.counters[0] = self.counters
         server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20)])
         kv_migration_pb2_grpc.add_KvMigrationServicer_to_server(self._servicer, server)
@@ -370,6 +379,9 @@ class _PinHolder:
     def block_size(self, rank: int) -> int:
         return self.shared.block_size
 
+    def device(self, rank: int) -> DeviceKind:
+        return device_kind(self.shared.caches[0])
+
     def hold(self, rank: int, request_id: str, tokens: Sequence[int], *, allow_prefix_cache: bool) -> HeldKv | None:
         pin = self.shared.find_pin(request_id)
         if pin is None:
@@ -431,7 +443,7 @@ class _Load:
     params: KvTransferParams
     start: int  # tokens of the block-aligned local prefix-cache hit when the source was asked
     started: float
-    probe: concurrent.futures.Future[KvOffer | None] | None = None
+    probe: concurrent.futures.Future[KvOffer] | None = None
     offer: KvOffer | None = None
     pin: _Pin | None = None  # back on its own replica: its pin
     num_tokens: int = 0  # the end of the range to load (0: nothing to load)
@@ -540,7 +552,10 @@ class PsrlKvConnector(KVConnectorBase_V1):
                 self._fall_back(load, LookupError("no pin of its own covers more than the local hit"))
             return load
         assert self.shared.layout is not None
-        offer = self.shared.client.offer(params, prompt, start=num_computed, want=want, layout=self.shared.layout)
+        device = device_kind(self.shared.caches[0])
+        offer = self.shared.client.offer(
+            params, prompt, start=num_computed, want=want, layout=self.shared.layout, device=device
+        )
         load.probe = self.shared.submit(offer)
         return load
 
@@ -549,11 +564,8 @@ class PsrlKvConnector(KVConnectorBase_V1):
         assert load.probe is not None
         try:
             offer = load.probe.result()
-        except Exception as e:
+        except Exception as e:  # KvNotOffered (the source's reason) among them
             self._fall_back(load, e)
-            return
-        if offer is None:
-            self._fall_back(load, LookupError("the source holds nothing beyond the local hit"))
             return
         load.offer = offer
         if offer.num_tokens % self.block_size:

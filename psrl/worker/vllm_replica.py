@@ -282,6 +282,8 @@ async def serve_vllm(args: WorkerArgs) -> None:
         side_channel = f"unix:{side_dir.name}/side.sock"
         config = kv_transfer_config(
             self_target=target,
+            advertised=args.advertised(target),
+            node_id=args.node(),
             side_channel=side_channel,
             pin_ttl_s=args.kv_pin_ttl_s,
             shm_pool_bytes=args.kv_shm_pool_mib << 20,

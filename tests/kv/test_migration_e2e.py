@@ -1,7 +1,7 @@
 """KV migration over real processes: two reference replicas and a router with kv_transfer on. A greedy request
 interrupted by a sync abort on one replica continues on the other with exactly the tokens of an uninterrupted
-run, and the destination computes only the prompt's last token; with the source killed first it recomputes and
-the tokens are still exact."""
+run, and the destination computes only the prompt's last token; with the source killed first, or on another
+node (CPU KV does not cross hosts), it recomputes and the tokens are still exact."""
 
 from __future__ import annotations
 
@@ -176,6 +176,29 @@ def test_back_on_its_own_replica_the_request_adopts_its_pinned_kv(model_dir, log
         assert 'psrl_router_kv_transfers_total{outcome="moved"} 1.0' in httpx.get(f"{router.url}/metrics").text
     finally:
         stop_processes([router.proc, replica.proc])
+
+
+def test_between_two_nodes_the_cpu_kv_is_recomputed_not_moved(model_dir, log_dir) -> None:
+    a = start_replica(model_dir, log_dir)  # this machine's node id
+    b = start_replica(model_dir, log_dir, args=["--node-id", "another-node"])
+    router = _kv_router(log_dir, [a, b], "sync")
+    try:
+        reference = _generate(router, "ref-nodes", 2000, 30).json()
+        _flush(a, b)  # so the destination's own prefix cache cannot serve the loop-back
+        before = {p.url: _stats(p) for p in (a, b)}
+        r, dest = _interrupted(router, a, b, "mig-nodes", 31, 2000)
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == reference["output_ids"]
+        source = a if dest is b else b
+        after = _stats(dest)
+        assert after.fallbacks - before[dest.url].fallbacks == 1 and after.transfers_in == before[dest.url].transfers_in
+        assert _stats(source).transfers_out == before[source.url].transfers_out  # refused before any gather
+        assert after.prompt_tokens_computed - before[dest.url].prompt_tokens_computed > len(PROMPT)  # prefilled
+        log = dest.log_text()
+        assert "mig-nodes" in log and "CPU KV does not cross hosts" in log and "'another-node'" in log
+        assert 'psrl_router_kv_transfers_total{outcome="recomputed"} 1.0' in httpx.get(f"{router.url}/metrics").text
+    finally:
+        stop_processes([router.proc, a.proc, b.proc])
 
 
 # Last: it kills one of the module's replicas.

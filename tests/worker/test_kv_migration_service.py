@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -21,11 +22,13 @@ import pytest
 from psrl._proto import kv_migration_pb2 as pb
 from psrl._proto import kv_migration_pb2_grpc as pb_grpc
 from psrl.engine import AsyncEngine, CacheConfig, Engine, ModelConfig, SamplingOptions
+from psrl.kv import DeviceKind
 from psrl.worker import kv_migration
 from psrl.worker.kv_migration import (
     EngineKvHolder,
     KvMigrationServicer,
     KvPuller,
+    KvSourceClient,
     KvTransferParams,
     _in_thread,
     layout_of,
@@ -35,6 +38,14 @@ from psrl.worker.kv_migration import (
 from psrl.worker.servicer import ReferenceServicer, _KvMoved
 
 PROMPT = list(range(1, 40))
+NODE = "node-a"  # the in-process source's node
+
+
+def _puller(
+    servicer: KvMigrationServicer, self_target: str = "127.0.0.1:1", *, node_id: str = NODE, **kwargs: Any
+) -> KvPuller:
+    """A destination on `node_id` (the source's, unless told) whose own server is at `self_target`."""
+    return KvPuller(servicer.counters, KvSourceClient(self_target, node_id=node_id), **kwargs)
 
 
 def _engine() -> AsyncEngine:
@@ -79,7 +90,7 @@ async def _pinned_and_aborted(target: str, engine: AsyncEngine, request_id: str,
 @contextlib.asynccontextmanager
 async def _serving(shm_pool_bytes: int) -> AsyncIterator[tuple[str, KvMigrationServicer]]:
     """A replica's migration service on its own port (a segment per transfer, or `shm_pool_bytes` pooled)."""
-    servicer = KvMigrationServicer(EngineKvHolder([_engine()]), shm_pool_bytes=shm_pool_bytes)
+    servicer = KvMigrationServicer(EngineKvHolder([_engine()]), node_id=NODE, shm_pool_bytes=shm_pool_bytes)
     server = grpc.aio.server()
     pb_grpc.add_KvMigrationServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -127,7 +138,7 @@ async def test_pull_moves_the_pinned_prefix_and_falls_back_when_the_source_is_go
     src = servicer.holder.engines[0]
     assert await _pinned_and_aborted(target, src, "r", PROMPT) >= len(PROMPT)
     dest = _engine()
-    puller = KvPuller(servicer.counters, "127.0.0.1:1")
+    puller = _puller(servicer)
     try:
         params = KvTransferParams(target, 0, "r", num_tokens=0, mode="sync", timeout_ms=5000)
         kv = await puller.pull(dest, 0, PROMPT, params)
@@ -179,7 +190,7 @@ async def test_what_the_destination_holds_already_is_not_moved(source) -> None:
     warm = dest.generate("w", prompt[:40], SamplingOptions(temperature=0.0, max_tokens=1))
     async for _ in warm:  # the destination's prefix cache now holds the first 2 full blocks (32 tokens)
         pass
-    puller = KvPuller(servicer.counters, "127.0.0.1:1")
+    puller = _puller(servicer)
     try:
         kv = await puller.pull(dest, 0, prompt, KvTransferParams(target, 0, "r", 0, "sync", 5000))
         assert kv is not None and kv.num_tokens == 68 and len(kv.block_ids) == 5
@@ -244,7 +255,7 @@ async def test_a_prompt_the_destination_holds_needs_no_transfer(source) -> None:
     dest = _engine()
     async for _ in dest.generate("w", [*PROMPT, 99], SamplingOptions(temperature=0.0, max_tokens=1)):
         pass  # the destination caches PROMPT's 2 full blocks (32 tokens)
-    puller = KvPuller(servicer.counters, "127.0.0.1:1")
+    puller = _puller(servicer)
     try:
         kv = await puller.pull(dest, 0, PROMPT[:33], KvTransferParams(target, 0, "gone", 0, "sync", 5000))
         assert kv is not None and kv.num_tokens == 32  # all it needs is here: nothing asked of the source
@@ -260,7 +271,7 @@ async def test_pooled_segments_serve_the_next_pull() -> None:
         assert servicer.shm_pool is not None
         src = servicer.holder.engines[0]
         dest = _engine()
-        puller = KvPuller(servicer.counters, "127.0.0.1:1", shm_mappings_bytes=16 << 20)
+        puller = _puller(servicer, shm_mappings_bytes=16 << 20)
         try:
             for i in range(3):  # another prompt each time: the reused segment holds the previous request's KV
                 rid, prompt = f"r{i}", [t + 7 * i for t in PROMPT]
@@ -309,13 +320,73 @@ def test_a_replica_knows_its_own_server_under_other_names() -> None:
     assert wildcard("localhost:5000") and wildcard(f"{socket.gethostname()}:5000") and not wildcard("10.255.1.2:6000")
     specific = same_server("10.1.2.3:5000")  # another process may hold port 5000 on another address
     assert specific("10.1.2.3:5000") and not specific("127.0.0.1:5000")
+    advertised = same_server("10.1.2.3:5000", "gpu-7.cluster:5000")  # --advertise-host gpu-7.cluster
+    assert advertised("gpu-7.cluster:5000") and advertised("GPU-7.cluster:5000") and advertised("10.1.2.3:5000")
+    assert not advertised("gpu-7.cluster:5001") and not advertised("gpu-8.cluster:5000")
+
+
+async def test_the_two_ends_choose_the_channel_among_those_served(source, monkeypatch: pytest.MonkeyPatch) -> None:
+    target, servicer = source
+    src = servicer.holder.engines[0]
+    await _pinned_and_aborted(target, src, "r", PROMPT)
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = pb_grpc.KvMigrationStub(ch)
+
+        async def transfer(**fields: Any) -> pb.TransferKvResponse:
+            return await stub.TransferKv(pb.TransferKvRequest(request_id="r", token_ids=PROMPT, **fields))
+
+        for device in ("cpu", "cuda"):  # this source's KV is on the CPU: it crosses to no other node
+            reply = await transfer(node_id="node-b", device=device)
+            assert reply.num_tokens == 0 and reply.reason.startswith("CPU KV does not cross hosts")
+            assert f"source is on node {NODE!r} (cpu), the destination on node 'node-b' ({device})" in reply.reason
+        reply = await transfer(node_id=NODE, device="cpu", channel="nccl")
+        assert reply.num_tokens == 0 and "'nccl' asked for; shm joins" in reply.reason
+        reply = await transfer(node_id=NODE, device="tpu")
+        assert reply.num_tokens == 0 and "unknown device kind 'tpu'" in reply.reason
+        with monkeypatch.context() as m:
+            m.setattr(servicer.holder, "device", lambda rank: DeviceKind.CUDA)  # as if its cache were on a GPU
+            # one node, both CUDA: CUDA IPC is not served yet, so shared memory (staged through the host)
+            reply = await transfer(node_id=NODE, device="cuda", keep_pin=True)
+            assert reply.num_tokens == len(PROMPT) and reply.reason == ""
+            assert (await stub.ReleaseKv(pb.ReleaseKvRequest(transfer_id=reply.transfer_id))).released
+            reply = await transfer(node_id=NODE, device="cuda", channel="cuda_ipc")
+            assert reply.num_tokens == 0 and "'cuda_ipc' asked for; shm joins" in reply.reason
+            reply = await transfer(node_id="node-b", device="cuda")
+            assert reply.num_tokens == 0 and reply.reason == "channel nccl is not served by this replica yet"
+            # one node, a CUDA end and a CPU end: shared memory
+            reply = await transfer(node_id=NODE, device="cpu", keep_pin=True)
+            assert reply.num_tokens == len(PROMPT) and reply.reason == ""
+            assert (await stub.ReleaseKv(pb.ReleaseKvRequest(transfer_id=reply.transfer_id))).released
+        assert src.engine.num_pinned == 1  # no refusal and no kept transfer ended the pin
+        reply = await transfer()  # a peer from before node ids: on this node, over shared memory as then
+        assert reply.num_tokens == len(PROMPT)
+        assert (await stub.ReleaseKv(pb.ReleaseKvRequest(transfer_id=reply.transfer_id))).released
+    assert src.engine.num_pinned == 0
+
+
+async def test_a_destination_on_another_node_recomputes_and_logs_why(source, caplog: pytest.LogCaptureFixture) -> None:
+    target, servicer = source
+    src = servicer.holder.engines[0]
+    await _pinned_and_aborted(target, src, "r", PROMPT)
+    dest = _engine()
+    puller = _puller(servicer, node_id="node-b")
+    try:
+        with caplog.at_level(logging.WARNING, logger=kv_migration.__name__):
+            kv = await puller.pull(dest, 0, PROMPT, KvTransferParams(target, 0, "r", 0, "sync", 5000))
+        assert kv is None and dest.engine.num_used_blocks == 0
+        assert servicer.counters[0].fallbacks == 1 and servicer.counters[0].transfers_out == 0
+        assert "recomputing: KvNotOffered: CPU KV does not cross hosts" in caplog.text
+        assert src.engine.num_pinned == 1  # kept (until its TTL) for a peer that can take it
+    finally:
+        await puller.close()
+        dest.shutdown()
 
 
 async def test_a_request_back_on_its_replica_under_another_name_adopts_its_pin(source) -> None:
     target, servicer = source
     src = servicer.holder.engines[0]
     await _pinned_and_aborted(target, src, "r", PROMPT)
-    puller = KvPuller(servicer.counters, target)  # bound at 127.0.0.1; the router knows it as localhost
+    puller = _puller(servicer, target)  # bound at 127.0.0.1; the router knows it as localhost
     try:
         alias = target.replace("127.0.0.1", "localhost")
         kv = await puller.pull(src, 0, PROMPT, KvTransferParams(alias, 0, "r", 0, "sync", 5000))
