@@ -11,8 +11,14 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 TOKEN_ENV = "PSRL_REPLICA_TOKEN"
-# The router's admin key a replica registers with (POST /workers) when not given by --router-api-key[-file].
+# Keys named by whose they are. The router's admin key: what the router requires on /workers* when it has no
+# --admin-api-key, what a replica registers with (POST /workers) when not given by --router-api-key[-file], and
+# what the SessionRouter's strategy reads the router with.
 ROUTER_API_KEY_ENV = "PSRL_ROUTER_API_KEY"
+# The router's data-plane key: what the router requires with no --api-key, what the SessionRouter sends upstream.
+DATA_API_KEY_ENV = "PSRL_API_KEY"
+# The SessionRouter's own control key, with no --admin-api-key.
+SESSION_API_KEY_ENV = "PSRL_SESSION_API_KEY"
 TOKEN_FILE_FLAG = "--replica-token-file"
 _warned: set[str] = set()
 
@@ -41,6 +47,11 @@ def load_secret(path: str | None, env: str, flag: str) -> str | None:
     if not all("!" <= c <= "~" for c in secret):  # what a metadata or header value may hold, less spaces
         raise ValueError(f"{where}: must be printable ASCII without spaces")
     return secret
+
+
+def env_secret(env: str) -> str | None:
+    """The secret in $`env` (None: unset or empty), checked as `load_secret` checks it."""
+    return load_secret(None, env, "")
 
 
 def load_replica_token(token_file: str | None = None) -> str | None:

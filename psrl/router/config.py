@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from psrl.credentials import TOKEN_ENV, load_replica_token
+from psrl.credentials import DATA_API_KEY_ENV, ROUTER_API_KEY_ENV, TOKEN_ENV, env_secret, load_replica_token
 from psrl.router.policies import POLICIES, POLICY_ALIASES
 from psrl.serving.limits import HttpServerSettings
 from psrl.settings import add_flags, apply_flags, choice, from_mapping, section, setting
@@ -243,8 +243,10 @@ class RouterConfig(HttpServerSettings):
         choices=(*POLICIES, *POLICY_ALIASES),
     )
     tokenizer_path: str | None = setting(None, help="local tokenizer folder; default: fetched from a worker")
-    api_key: str | None = setting(None, help="bearer key of the data plane; none: open")
-    admin_api_key: str | None = setting(None, help="bearer key of /workers* and /routing_loop*; none: open")
+    api_key: str | None = setting(None, help=f"bearer key of the data plane; default ${DATA_API_KEY_ENV}; none: open")
+    admin_api_key: str | None = setting(
+        None, help=f"bearer key of /workers* and /routing_loop*; default ${ROUTER_API_KEY_ENV}; none: open"
+    )
     metrics_require_key: bool = setting(
         False, help="/metrics takes the admin key too (off: open, for scrapers on loopback)"
     )
@@ -329,6 +331,9 @@ def parse_args(argv: list[str] | None = None) -> RouterConfig:
     ns = build_parser().parse_args(argv)
     cfg = load_yaml(ns.config) if ns.config else RouterConfig()
     apply_flags(cfg, ns)
+    # Keys a launcher passes in the environment, where other users cannot read them (psrl.credentials).
+    cfg.api_key = cfg.api_key or env_secret(DATA_API_KEY_ENV)
+    cfg.admin_api_key = cfg.admin_api_key or env_secret(ROUTER_API_KEY_ENV)
     cfg.validate()
     return cfg
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from psrl.credentials import DATA_API_KEY_ENV, ROUTER_API_KEY_ENV, SESSION_API_KEY_ENV, env_secret
 from psrl.serving.limits import HttpServerSettings
 from psrl.settings import add_flags, apply_flags, section, setting
 
@@ -67,10 +68,13 @@ class SessionConfig(HttpServerSettings):
         "manual", help="manual: the client's trajectory id (or 0); auto: the router decides", choices=("manual", "auto")
     )
     admin_api_key: str | None = setting(
-        None, help="key of the control endpoints (x-admin-api-key or bearer); none: open"
+        None,
+        help=f"key of the control endpoints (x-admin-api-key or bearer); default ${SESSION_API_KEY_ENV}; none: open",
     )
     router_api_key: str | None = setting(
-        None, help="the router's --api-key, sent upstream when a client's request has no Authorization header"
+        None,
+        help=f"the router's --api-key, sent upstream when a client's request has no Authorization header; "
+        f"default ${DATA_API_KEY_ENV}",
     )
     connect_timeout_s: float = setting(10.0, help="time to connect to the router", unit="s")
     request_timeout_s: float = setting(3600.0, help="a request to the router not done by then fails", unit="s")
@@ -82,7 +86,9 @@ class SessionConfig(HttpServerSettings):
         choices=SESSION_STRATEGIES,
     )
     router_admin_api_key: str | None = setting(
-        None, help="the router's --admin-api-key, for the strategy's reads of /workers and /workers/stats"
+        None,
+        help=f"the router's --admin-api-key, for the strategy's reads of /workers and /workers/stats; "
+        f"default ${ROUTER_API_KEY_ENV}",
     )
     thunder: ThunderConfig = section(ThunderConfig)
 
@@ -111,5 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> SessionConfig:
     config = SessionConfig()
     apply_flags(config, build_parser().parse_args(argv))
+    # Keys a launcher passes in the environment, where other users cannot read them (psrl.credentials).
+    config.admin_api_key = config.admin_api_key or env_secret(SESSION_API_KEY_ENV)
+    config.router_api_key = config.router_api_key or env_secret(DATA_API_KEY_ENV)
+    config.router_admin_api_key = config.router_admin_api_key or env_secret(ROUTER_API_KEY_ENV)
     config.validate()
     return config
