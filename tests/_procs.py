@@ -146,11 +146,23 @@ def start_router(
     return router
 
 
-def replica_busy(url: str) -> int:
-    """Running + waiting requests over a replica's dp ranks (its GetLoads), by its grpc:// URL."""
+def replica_busy(url: str, *, token: str | None = None) -> int:
+    """Running + waiting requests over a replica's dp ranks (its GetLoads), by its grpc:// URL; `token`: the one
+    the replica requires."""
     import grpc
     from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
+    metadata = [("authorization", f"Bearer {token}")] if token else None
     with grpc.insecure_channel(url.removeprefix("grpc://")) as ch:
-        loads = vllm_engine_pb2_grpc.VllmEngineStub(ch).GetLoads(vllm_engine_pb2.GetLoadsRequest(), timeout=5)
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(ch)
+        loads = stub.GetLoads(vllm_engine_pb2.GetLoadsRequest(), timeout=5, metadata=metadata)
     return sum(e.num_running_reqs + e.num_waiting_reqs for e in loads.loads)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process exists and is not a zombie (/proc/<pid>/stat)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

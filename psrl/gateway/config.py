@@ -21,7 +21,11 @@ REPLICA_ENGINES = ("reference", "vllm")
 
 @dataclass
 class GatewayConfig:
-    host: str = setting("127.0.0.1", help="address of every process the gateway starts")
+    host: str = setting(
+        "127.0.0.1",
+        help="address every process the gateway starts listens on (a node's IP in a cluster; 0.0.0.0: all, "
+        "and they call each other on 127.0.0.1)",
+    )
     router_port_start: int = setting(8100, help="the router takes the first free port from this one")
     session_port_start: int = setting(8200, help="the SessionRouter takes the first free port from this one")
     enable_session_router: bool = setting(True, help="also start a SessionRouter in front of the router")
@@ -64,7 +68,10 @@ class GatewayConfig:
         flags=("--model", "--embedded-model"),
     )
     embedded_dp_sizes: list[int] | None = setting(
-        None, help="one replica per entry, with that dp_size; default: 1 2 (reference), 1 (vllm)", nargs="+"
+        None,
+        help="one replica per entry, with that dp_size; default: 1 2 (reference), 1 (vllm); [] (YAML) or "
+        "--replicas 0: none, replicas register themselves (POST /workers)",
+        nargs="+",
     )
     replica_engine_args: list[str] = setting(
         default_factory=list, help="everything after it goes to each vLLM replica", nargs=argparse.REMAINDER
@@ -76,13 +83,13 @@ class GatewayConfig:
     log_dir: str | None = setting(None, help="folder for one log file per process; default: the gateway's output")
 
     def validate(self) -> None:
-        if not self.worker_urls and not self.replica_dp_sizes:
-            raise ValueError("no worker_urls and no embedded replicas: nothing to route to")
+        if self.worker_urls and self.embedded_dp_sizes == []:
+            raise ValueError("embedded_dp_sizes [] starts no replicas; with worker_urls it says nothing: drop it")
         if any(d < 1 for d in self.replica_dp_sizes):
             raise ValueError("embedded_dp_sizes must all be >= 1")
         if self.replica_engine not in REPLICA_ENGINES:
             raise ValueError(f"replica_engine must be one of {REPLICA_ENGINES}")
-        if self.replica_engine == "vllm" and not self.worker_urls and not self.embedded_model:
+        if self.replica_engine == "vllm" and not self.worker_urls and self.replica_dp_sizes and not self.embedded_model:
             raise ValueError("vLLM replicas need a model folder (--model DIR)")
         if self.replica_engine_args and self.replica_engine != "vllm":
             raise ValueError("replica_engine_args are vLLM engine arguments; they need replica_engine vllm")
@@ -110,7 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start the router and, when no worker_urls are given, replicas of its own; print how to call it.",
     )
     p.add_argument("--config", help="YAML file with GatewayConfig keys (flags override it)")
-    p.add_argument("--replicas", type=int, help="N replicas of dp_size 1 (instead of --embedded-dp-sizes)")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        help="N replicas of dp_size 1 (instead of --embedded-dp-sizes); 0: none, replicas register themselves",
+    )
     add_flags(p, GatewayConfig)
     return p
 
@@ -121,8 +132,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     cfg = GatewayConfig.from_yaml(ns.config) if ns.config else GatewayConfig()
     apply_flags(cfg, ns)
     if ns.replicas is not None:
-        if ns.replicas < 1:
-            p.error("--replicas must be >= 1")
+        if ns.replicas < 0:
+            p.error("--replicas must be >= 0")
         cfg.embedded_dp_sizes = [1] * ns.replicas
     cfg.validate()
     return cfg

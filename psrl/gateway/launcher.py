@@ -9,11 +9,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
 
-from psrl.credentials import ROUTER_API_KEY_ENV, TOKEN_FILE_FLAG
+from psrl.credentials import (
+    DATA_API_KEY_ENV,
+    ROUTER_API_KEY_ENV,
+    SESSION_API_KEY_ENV,
+    TOKEN_ENV,
+    TOKEN_FILE_FLAG,
+    env_secret,
+)
 from psrl.gateway.config import GatewayConfig, parse_args
 from psrl.gateway.processes import first_free_port, spawn_module, stop_processes
 
@@ -21,9 +29,12 @@ logger = logging.getLogger("psrl.gateway")
 
 
 class RolloutGateway:
-    """Starts and stops the gateway's processes. Usable from Python (tests, training code) or the CLI."""
+    """Starts and stops the gateway's processes. Usable from Python (tests, training code, the Ray actor
+    psrl.gateway.ray) or the CLI. The keys reach the children in their environment, never on a command line
+    (psrl.credentials): the config's keys, else the gateway's own $PSRL_ROUTER_API_KEY and $PSRL_API_KEY;
+    `replica_token`: the replicas' token, else the token file or $PSRL_REPLICA_TOKEN the children read."""
 
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, *, replica_token: str | None = None) -> None:
         config.validate()
         self.config = config
         self.router_url = ""
@@ -31,18 +42,38 @@ class RolloutGateway:
         self._router: subprocess.Popen | None = None
         self._session: subprocess.Popen | None = None
         self._replicas: list[subprocess.Popen] = []
+        self.admin_key = config.admin_api_key or env_secret(ROUTER_API_KEY_ENV)
+        keys = {
+            ROUTER_API_KEY_ENV: self.admin_key,
+            SESSION_API_KEY_ENV: self.admin_key,  # the SessionRouter's control endpoints take the same key
+            DATA_API_KEY_ENV: config.api_key or env_secret(DATA_API_KEY_ENV),
+            TOKEN_ENV: replica_token,
+        }
+        self._env = {name: value for name, value in keys.items() if value}
 
     @property
     def embedded(self) -> bool:
         return not self.config.worker_urls
 
+    @property
+    def call_host(self) -> str:
+        """The host the processes call each other on: the bound one, or 127.0.0.1 for a wildcard."""
+        return "127.0.0.1" if self.config.host in ("0.0.0.0", "::", "") else self.config.host
+
+    def child_pids(self) -> list[int]:
+        """Every process the gateway started and has not stopped yet."""
+        return [p.pid for p in (self._router, self._session, *self._replicas) if p is not None]
+
     def _log(self, name: str) -> Path | None:
         return Path(self.config.log_dir) / f"{name}.log" if self.config.log_dir else None
+
+    def _spawn(self, module: str, args: list[str], name: str) -> subprocess.Popen:
+        return spawn_module(module, args, log_file=self._log(name), env=self._env)
 
     def start(self) -> None:
         cfg = self.config
         port = first_free_port(cfg.router_port_start, cfg.host)
-        self.router_url = f"http://{cfg.host}:{port}"
+        self.router_url = f"http://{self.call_host}:{port}"
         args = ["--host", cfg.host, "--port", str(port), "--policy", cfg.policy]
         if cfg.worker_urls:
             args += ["--worker-urls", *cfg.worker_urls]
@@ -52,20 +83,16 @@ class RolloutGateway:
             args += ["--psrl-ps-manager-addr", cfg.psrl_ps_manager_addr]
         if cfg.kv_transfer_enable:
             args.append("--kv-transfer-enable")
-        for flag, value in (
-            ("--tokenizer-path", cfg.tokenizer_path),
-            ("--api-key", cfg.api_key),
-            ("--admin-api-key", cfg.admin_api_key),
-            (TOKEN_FILE_FLAG, cfg.replica_token_file),
-        ):
-            if value:
-                args += [flag, value]
-        self._router = spawn_module("psrl.router", [*args, *cfg.router_args], log_file=self._log("router"))
+        if cfg.tokenizer_path:
+            args += ["--tokenizer-path", cfg.tokenizer_path]
+        if cfg.replica_token_file:
+            args += [TOKEN_FILE_FLAG, cfg.replica_token_file]
+        self._router = self._spawn("psrl.router", [*args, *cfg.router_args], "router")
         try:
             self._wait_router()
             if self.embedded:
                 self._start_embedded()
-            self._wait_workers(len(cfg.worker_urls) or len(cfg.replica_dp_sizes))
+            self.wait_for_workers(len(cfg.worker_urls) or len(cfg.replica_dp_sizes))
             if cfg.enable_session_router:
                 self._start_session_router()
         except BaseException:
@@ -75,15 +102,11 @@ class RolloutGateway:
     def _start_session_router(self) -> None:
         cfg = self.config
         port = first_free_port(cfg.session_port_start, cfg.host)
-        self.session_url = f"http://{cfg.host}:{port}"
+        self.session_url = f"http://{self.call_host}:{port}"
         args = ["--router-url", self.router_url, "--host", cfg.host, "--port", str(port)]
-        if cfg.admin_api_key:
-            args += ["--admin-api-key", cfg.admin_api_key]
-        if cfg.session_strategy != "none":
+        if cfg.session_strategy != "none":  # the strategy reads /workers with $PSRL_ROUTER_API_KEY
             args += ["--session-strategy", cfg.session_strategy]
-            if cfg.admin_api_key:  # the strategy reads the router's /workers and /workers/stats
-                args += ["--router-admin-api-key", cfg.admin_api_key]
-        self._session = spawn_module("psrl.session", [*args, *cfg.session_args], log_file=self._log("session"))
+        self._session = self._spawn("psrl.session", [*args, *cfg.session_args], "session")
         self._poll("SessionRouter", lambda c: c.get(f"{self.session_url}/control/sessions").status_code == 200)
 
     def _start_embedded(self) -> None:
@@ -91,20 +114,20 @@ class RolloutGateway:
         for i, dp in enumerate(cfg.replica_dp_sizes):
             args = ["--engine", cfg.replica_engine, "--host", cfg.host, "--port", "0", "--router", self.router_url]
             args += ["--dp-size", str(dp), "--seed", str(cfg.embedded_seed), "--worker-id", f"replica-{i}"]
+            if self.call_host != cfg.host:  # bound to every address: registered where the router calls it
+                args += ["--advertise-host", self.call_host]
             if cfg.replica_engine == "reference":
                 args += ["--torch-threads", str(cfg.embedded_torch_threads)]
             if cfg.embedded_model:
                 args += ["--model", cfg.embedded_model]
             if cfg.replica_token_file:
                 args += [TOKEN_FILE_FLAG, cfg.replica_token_file]
-            # The admin key they register with goes in their environment, not on a command line others can read.
-            env = {ROUTER_API_KEY_ENV: cfg.admin_api_key} if cfg.admin_api_key else None
             if cfg.replica_engine_args:
                 args += ["--", *cfg.replica_engine_args]
-            self._replicas.append(spawn_module("psrl.worker", args, log_file=self._log(f"replica-{i}"), env=env))
+            self._replicas.append(self._spawn("psrl.worker", args, f"replica-{i}"))
 
-    def _admin_headers(self) -> dict[str, str]:
-        key = self.config.admin_api_key
+    def admin_headers(self) -> dict[str, str]:
+        key = self.admin_key
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     def _check_children(self) -> None:
@@ -119,7 +142,7 @@ class RolloutGateway:
 
     def _poll(self, what: str, ready) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s
-        with httpx.Client(base_url=self.router_url, timeout=2.0, headers=self._admin_headers()) as client:
+        with httpx.Client(base_url=self.router_url, timeout=2.0, headers=self.admin_headers()) as client:
             while True:
                 self._check_children()
                 try:
@@ -134,8 +157,22 @@ class RolloutGateway:
     def _wait_router(self) -> None:
         self._poll("router", lambda c: c.get("/health").status_code == 200)
 
-    def _wait_workers(self, n: int) -> None:
+    def wait_for_workers(self, n: int) -> None:
+        """Wait until the router lists `n` workers (the configured ones, or replicas registering themselves)."""
         self._poll(f"{n} workers", lambda c: len(c.get("/workers").json().get("workers", [])) >= n)
+
+    def wait_for_registered(self, urls: Sequence[str]) -> None:
+        """Wait until the router lists a worker at each of `urls`."""
+
+        def listed(client: httpx.Client) -> bool:
+            return set(urls) <= {w["url"] for w in client.get("/workers").json().get("workers", [])}
+
+        self._poll(f"workers {', '.join(urls)}", listed)
+
+    def running(self) -> bool:
+        """Whether every process the gateway started is still running (False once stopped)."""
+        procs = [p for p in (self._router, self._session, *self._replicas) if p is not None]
+        return bool(procs) and all(p.poll() is None for p in procs)
 
     def stop(self) -> None:
         stop_processes([p for p in (self._session, *self._replicas, self._router) if p is not None])
@@ -162,7 +199,7 @@ class RolloutGateway:
 
 
 def _banner(gw: RolloutGateway) -> str:
-    with httpx.Client(base_url=gw.router_url, timeout=5.0, headers=gw._admin_headers()) as client:
+    with httpx.Client(base_url=gw.router_url, timeout=5.0, headers=gw.admin_headers()) as client:
         workers = client.get("/workers").json()["workers"]
     model = workers[0]["models"][0]["id"] if workers else "?"
     instances = sum(w["dp_size"] for w in workers)

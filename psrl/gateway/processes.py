@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
@@ -34,26 +35,62 @@ def first_free_port(start: int, host: str = "127.0.0.1", limit: int = 1000) -> i
     raise OSError(f"no free port in [{start}, {start + limit}) on {host}")
 
 
-def spawn_module(
-    module: str, args: Sequence[str], *, log_file: Path | None = None, env: dict[str, str] | None = None
-) -> subprocess.Popen:
+def _popen(module: str, args: Sequence[str], env: dict[str, str] | None, stdout: IO[bytes] | int | None):
     """`python -m module args...` in its own process group, killed by the kernel if we die."""
-    out: IO[bytes] | None = None
-    if log_file is not None:
-        log_file.parent.mkdir(parents=True, exist_ok=True)
-        out = open(log_file, "ab")  # noqa: SIM115 - the child owns it; closed when we close the Popen
-    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "-m", module, *args],
-        stdout=out,
-        stderr=subprocess.STDOUT if out is not None else None,
-        env=child_env,
+        stdout=stdout,
+        stderr=subprocess.STDOUT if stdout is not None else None,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         start_new_session=True,
     )
-    if out is not None:
-        out.close()  # the child holds its own descriptor
-    return proc
+
+
+def spawn_module(
+    module: str, args: Sequence[str], *, log_file: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """`python -m module args...` in its own process group, killed by the kernel if we die; its output goes to
+    `log_file` (appended), else to ours."""
+    if log_file is None:
+        return _popen(module, args, env, None)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "ab") as out:  # the child holds its own descriptor
+        return _popen(module, args, env, out)
+
+
+class AnnouncedProcess:
+    """A child (as `spawn_module` starts it) that prints one ready line, `<marker> <address> ...`, once it
+    serves. A thread copies its output, line by line, to our stdout (a Ray actor's log) and watches for that line.
+    """
+
+    def __init__(self, module: str, args: Sequence[str], marker: str, *, env: dict[str, str] | None = None) -> None:
+        self.name = module
+        self.proc = _popen(module, args, env, subprocess.PIPE)
+        self._marker = marker
+        self._address = ""
+        self._ready = threading.Event()  # set by the ready line, or by the end of the output
+        threading.Thread(target=self._copy_output, name=f"{module}-output", daemon=True).start()
+
+    def _copy_output(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace")
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            words = line.split()
+            if not self._ready.is_set() and len(words) > 1 and words[0] == self._marker:
+                self._address = words[1]
+                self._ready.set()
+        self._ready.set()
+
+    def wait_ready(self, timeout_s: float) -> str:
+        """The address on the ready line; RuntimeError if the child exits first, TimeoutError after `timeout_s`."""
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"{self.name} printed no {self._marker} line within {timeout_s}s")
+        if not self._address:
+            raise RuntimeError(f"{self.name} exited with code {self.proc.wait()} before it was ready")
+        return self._address
 
 
 def stop_processes(procs: Sequence[subprocess.Popen], timeout_s: float = 10.0) -> None:

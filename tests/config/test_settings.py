@@ -161,6 +161,11 @@ def test_gateway_flags(tmp_path: Path) -> None:
     assert gateway_args(["--embedded-model", "/m"]).embedded_model == "/m"
     assert gateway_args(["--worker-urls"]).worker_urls == []
     assert gateway_args(["--replicas", "3"]).embedded_dp_sizes == [1, 1, 1]
+    none = gateway_args(["--replicas", "0"])  # replicas register themselves
+    assert none.embedded_dp_sizes == [] and none.replica_dp_sizes == []
+    assert gateway_args(["--replicas", "0", "--replica-engine", "vllm"]).embedded_model is None  # none to load
+    with pytest.raises(ValueError, match="starts no replicas"):
+        GatewayConfig(worker_urls=["grpc://h:1"], embedded_dp_sizes=[]).validate()
     cfg = gateway_args(["--no-enable-session-router", "--router-args", "--policy", "random", "--port", "1"])
     assert cfg.enable_session_router is False and cfg.router_args == ["--policy", "random", "--port", "1"]
     path = tmp_path / "gateway.yaml"
@@ -176,3 +181,24 @@ def test_worker_and_session_flags() -> None:
         worker_args(["--dp-size", "0"])
     cfg = session_args(["--router-url", "http://r:1/", "--trajectory-id-strategy", "auto"])
     assert cfg.router_url == "http://r:1" and cfg.trajectory_id_strategy == "auto"
+
+
+def test_keys_come_from_the_environment_when_their_flags_are_not_given(monkeypatch) -> None:
+    from psrl.router.config import parse_args as router_args
+    from psrl.session.config import parse_args as session_args
+
+    monkeypatch.setenv("PSRL_ROUTER_API_KEY", "admin-from-env")
+    monkeypatch.setenv("PSRL_API_KEY", "data-from-env")
+    monkeypatch.setenv("PSRL_SESSION_API_KEY", "session-from-env")
+    router = router_args([])
+    assert (router.admin_api_key, router.api_key) == ("admin-from-env", "data-from-env")
+    assert router_args(["--admin-api-key", "flag"]).admin_api_key == "flag"  # a flag wins
+    session = session_args([])
+    assert (session.admin_api_key, session.router_api_key, session.router_admin_api_key) == (
+        "session-from-env",
+        "data-from-env",
+        "admin-from-env",
+    )
+    monkeypatch.setenv("PSRL_API_KEY", "has a space")
+    with pytest.raises(ValueError, match="PSRL_API_KEY: must be printable ASCII"):
+        router_args([])

@@ -16,8 +16,10 @@ import grpc
 import httpx
 import openai
 import pytest
-from _procs import REPO, free_port
+from _procs import REPO, free_port, process_alive, start_replica
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+from psrl.gateway import GatewayConfig, RolloutGateway
 
 
 def _descendants(pid: int) -> set[int]:
@@ -35,14 +37,6 @@ def _descendants(pid: int) -> set[int]:
             out.add(child)
             todo.append(child)
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def _start_gateway(tmp_path: Path) -> tuple[subprocess.Popen, str, str]:
@@ -143,8 +137,8 @@ def test_stopping_the_gateway_leaves_no_orphans(tmp_path, sig) -> None:
     proc.send_signal(sig)
     proc.wait(30)
     deadline = time.monotonic() + 30
-    while any(_alive(p) for p in children):
-        assert time.monotonic() < deadline, [p for p in children if _alive(p)]
+    while any(process_alive(p) for p in children):
+        assert time.monotonic() < deadline, [p for p in children if process_alive(p)]
         time.sleep(0.2)
 
 
@@ -159,3 +153,33 @@ def test_session_router_serves_a_black_box_agent(gateway) -> None:
     snap = httpx.get(f"{session_url}/sessions/{sid}").json()
     assert len(snap["trajectories"][0]["records"]) == 1
     assert httpx.delete(f"{session_url}/sessions/{sid}").status_code == 204
+
+
+def test_a_gateway_on_every_address_and_one_that_waits_for_registrations(model_dir, tmp_path) -> None:
+    """--host 0.0.0.0 (a container): the processes listen on every address and call each other on 127.0.0.1, its
+    replica registered there. --replicas 0: no replicas of its own; one that registers itself is routed to."""
+    wide = GatewayConfig(
+        host="0.0.0.0", embedded_model=str(model_dir), embedded_dp_sizes=[1], log_dir=str(tmp_path / "wide")
+    )
+    with RolloutGateway(wide) as gateway:
+        assert gateway.router_url.startswith("http://127.0.0.1:")
+        (worker,) = httpx.get(f"{gateway.router_url}/workers").json()["workers"]
+        assert worker["url"].startswith("grpc://127.0.0.1:")
+        assert gateway.running() and _cmdline_has(gateway.child_pids()[0], "--host 0.0.0.0")
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+        assert httpx.post(f"{gateway.router_url}/generate", json=body, timeout=60).status_code == 200
+    empty = GatewayConfig(embedded_dp_sizes=[], enable_session_router=False, log_dir=str(tmp_path / "empty"))
+    with RolloutGateway(empty) as gateway:
+        assert httpx.get(f"{gateway.router_url}/workers").json()["workers"] == []
+        replica = start_replica(model_dir, tmp_path, args=["--router", gateway.router_url])
+        try:
+            gateway.wait_for_registered([replica.url])
+            r = httpx.post(f"{gateway.router_url}/generate", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+        finally:
+            replica.kill()
+    assert not gateway.running()
+
+
+def _cmdline_has(pid: int, text: str) -> bool:
+    return text in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()

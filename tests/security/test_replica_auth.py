@@ -323,9 +323,11 @@ def test_the_gateway_gives_its_router_and_replicas_the_token(model_dir: Path, to
         with grpc.insecure_channel(worker["url"].removeprefix("grpc://")) as channel, pytest.raises(grpc.RpcError) as e:
             vllm_engine_pb2_grpc.VllmEngineStub(channel).GetLoads(vllm_engine_pb2.GetLoadsRequest(), timeout=5)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        # The admin key the replica registered with is in its environment, not on its command line.
-        for replica in gateway._replicas:
-            assert "gw-admin" not in " ".join(map(str, replica.args))
+        # The admin key is in every child's environment (the router's, the key the replica registered with),
+        # never on a command line.
+        for pid in gateway.child_pids():
+            assert b"gw-admin" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+            assert b"PSRL_ROUTER_API_KEY=gw-admin" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
 
 
 # ---- /metrics --------------------------------------------------------------------------------------------

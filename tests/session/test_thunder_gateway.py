@@ -1,5 +1,5 @@
 """`python -m psrl.gateway --session-strategy thunder_agent`: the gateway's SessionRouter runs the strategy,
-reads every embedded instance's capacity with the gateway's admin key, and takes the thunder flags given after
+reads every embedded instance's capacity with the gateway's admin key (from its environment), and takes the thunder flags given after
 `--session-args`."""
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ def test_the_gateway_starts_its_session_router_with_the_strategy(model_dir: Path
     with RolloutGateway(config) as gateway:
         assert gateway._session is not None
         args = " ".join(map(str, gateway._session.args))
-        assert "--session-strategy thunder_agent" in args and "--router-admin-api-key gw-admin" in args
+        assert "--session-strategy thunder_agent" in args and "gw-admin" not in args
+        # the strategy reads the router with the admin key from its environment
+        environ = Path(f"/proc/{gateway._session.pid}/environ").read_bytes().split(b"\0")
+        assert b"PSRL_ROUTER_API_KEY=gw-admin" in environ
 
         def remaining() -> dict[tuple[str, str], float]:
             text = httpx.get(f"{gateway.session_url}/metrics").text
