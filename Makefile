@@ -57,6 +57,7 @@ lint: install-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy psrl
+	$(VENV)/bin/hadolint docker/Dockerfile
 
 pytest: install-dev
 	$(PY) -m pytest $(PYTEST_ARGS)
