@@ -1,4 +1,4 @@
-"""psrl.gateway.ray on a local Ray cluster the tests start (no dashboard, 8 logical CPUs): the RolloutGateway actor
+"""psrl.gateway.ray on a local Ray cluster the tests start (conftest.py): the RolloutGateway actor
 comes up on the node's address with a PSManager and a replica of its own as child actors, a replica started as a
 ReplicaActor by the driver registers, chat and a TITO session work through its URLs, the keys never appear on a
 command line, a weight sync runs through the coordinator, a replica actor killed mid-request is a replica failure
@@ -29,15 +29,6 @@ PSRL = {"x-request-id": "1", "x-prompt-id": "1"}
 
 def _cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    ray.init(num_cpus=8, include_dashboard=False, namespace="psrl-tests", log_to_driver=False)
-    try:
-        yield tmp_path_factory.mktemp("ray")
-    finally:
-        ray.shutdown()
 
 
 def _spec(tmp: Path) -> ReplicaSpec:

@@ -1,6 +1,6 @@
 """`python -m psrl.gateway --session-strategy thunder_agent`: the gateway's SessionRouter runs the strategy,
-reads every embedded instance's capacity with the gateway's admin key (from its environment), and takes the thunder flags given after
-`--session-args`."""
+reads every embedded instance's capacity with the gateway's admin key (from its environment), and takes the
+thunder flags given after `--session-args`."""
 
 from __future__ import annotations
 
