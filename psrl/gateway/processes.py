@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import socket
@@ -13,15 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass  # not Linux: the launcher's own shutdown still stops its children
+from psrl.lifetime import die_with_parent
 
 
 def first_free_port(start: int, host: str = "127.0.0.1", limit: int = 1000) -> int:
@@ -42,7 +33,7 @@ def _popen(module: str, args: Sequence[str], env: dict[str, str] | None, stdout:
         stdout=stdout,
         stderr=subprocess.STDOUT if stdout is not None else None,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        preexec_fn=die_with_parent if sys.platform.startswith("linux") else None,
         start_new_session=True,
     )
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import multiprocessing
 import os
 import tempfile
 import time
@@ -34,6 +35,7 @@ import numpy as np
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from psrl._proto import kv_migration_pb2_grpc, replica_control_pb2_grpc, routed_experts_pb2_grpc
+from psrl.lifetime import end_with_us
 from psrl.worker.admission import ACCEPTED_METADATA_KEY, AdmissionGate, refused_complete
 from psrl.worker.grpc_services import (
     KV_MIGRATION_SERVICE,
@@ -296,6 +298,8 @@ async def serve_vllm(args: WorkerArgs) -> None:
         logger.info("KV migration off: %s", off)
     vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
     llm = AsyncLLM.from_vllm_config(vllm_config=vllm_config, usage_context=UsageContext.OPENAI_API_SERVER)
+    # vLLM's EngineCore process does not watch this one: a replica killed outright would leave it running.
+    watcher = end_with_us([child.pid for child in multiprocessing.active_children() if child.pid is not None])
 
     gate = AdmissionGate()
     routed_experts = RoutedExpertsServicer(RoutedExpertsStore(), routed_experts_unsupported(vllm_config))
@@ -333,6 +337,9 @@ async def serve_vllm(args: WorkerArgs) -> None:
     if proxy is not None:
         await proxy.close()
     llm.shutdown()
+    if watcher is not None:  # its work is done: the engine ended with the shutdown
+        watcher.kill()
+        watcher.wait()
     if side_dir is not None:
         side_dir.cleanup()
     if failed:
