@@ -1,5 +1,6 @@
 """A vLLM replica as a ReplicaActor (the CPU build here): it registers with a RolloutGateway that starts no
-replicas of its own, serves chat and /generate through the gateway's router, and goes with the gateway."""
+replicas of its own, serves chat and /generate through the gateway's router, and goes with the gateway, the
+engine process vLLM forked included."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from _procs import process_alive
+from _procs import descendants, process_alive
 from _vllm import HAS_VLLM, STARTUP_TIMEOUT_S, engine_args_of, vllm_env
 from _wait import wait_for
 
@@ -56,7 +57,10 @@ def test_a_vllm_replica_actor_serves_through_the_gateway(gateway) -> None:
 
 def test_the_vllm_process_goes_with_the_gateway(gateway) -> None:
     actor, _, replica = gateway
-    pids = [*ray.get(actor.child_pids.remote()), ray.get(replica.pid.remote())]
+    worker = ray.get(replica.pid.remote())
+    engine_core = descendants(worker)  # the EngineCore process vLLM forked
+    assert engine_core, "vLLM runs its engine in a process of its own"
+    pids = [*ray.get(actor.child_pids.remote()), worker, *engine_core]
     ray.kill(actor)
     for pid in pids:
         wait_for(lambda pid=pid: not process_alive(pid), f"process {pid} gone", timeout_s=60)

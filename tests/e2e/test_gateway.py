@@ -16,27 +16,10 @@ import grpc
 import httpx
 import openai
 import pytest
-from _procs import REPO, free_port, process_alive, start_replica
+from _procs import REPO, descendants, free_port, process_alive, start_replica
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from psrl.gateway import GatewayConfig, RolloutGateway
-
-
-def _descendants(pid: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.add(child)
-            todo.append(child)
-    return out
 
 
 def _start_gateway(tmp_path: Path) -> tuple[subprocess.Popen, str, str]:
@@ -132,7 +115,7 @@ def test_generate_equals_the_replica_answer(gateway) -> None:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_stopping_the_gateway_leaves_no_orphans(tmp_path, sig) -> None:
     proc, _, _ = _start_gateway(tmp_path)
-    children = _descendants(proc.pid)
+    children = descendants(proc.pid)
     assert len(children) >= 4  # router, two replicas, SessionRouter
     proc.send_signal(sig)
     proc.wait(30)

@@ -14,7 +14,7 @@ import grpc
 import httpx
 import pytest
 from _http_raw import connect
-from _procs import Proc, replica_busy, start_router, wait_for
+from _procs import Proc, descendants, process_alive, replica_busy, start_router, wait_for
 from _vllm import start_vllm_replica
 
 from psrl.gateway.processes import stop_processes
@@ -139,6 +139,8 @@ def test_psrl_requests_on_a_vllm_replica_killed_mid_decode_continue_exactly(
         for t in threads:
             t.start()
         wait_for(lambda: replica_busy(victim.url) == 4, "four requests running on the victim replica", timeout_s=60)
+        engine_core = descendants(victim.proc.pid)  # the EngineCore process vLLM forked
+        assert engine_core
         os.kill(victim.proc.pid, signal.SIGKILL)
         for t in threads:
             t.join(300)
@@ -155,6 +157,8 @@ def test_psrl_requests_on_a_vllm_replica_killed_mid_decode_continue_exactly(
         log = router.log_text()
         assert "continues elsewhere" in log and "starts again" in log
         wait_for(lambda: _inflight(router) == 0, "no request in flight in the router", timeout_s=30)
+        # its engine process goes with it, not left holding the KV cache (a GPU, on one)
+        wait_for(lambda: not any(map(process_alive, engine_core)), "the killed replica's EngineCore gone", timeout_s=60)
     finally:
         stop_processes([router.proc, victim.proc])
 
