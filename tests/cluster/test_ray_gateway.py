@@ -6,6 +6,7 @@ its requests survive, and killing the gateway actor leaves no process behind."""
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 
@@ -160,3 +161,17 @@ def test_killing_the_gateway_actor_leaves_no_process_behind(cluster) -> None:
     ray.kill(actor)
     for pid in pids:
         wait_for(lambda pid=pid: not process_alive(pid), f"process {pid} gone")
+
+
+@pytest.mark.parametrize(
+    ("config", "psmanager", "says"),
+    [
+        ({"bogus_key": 1}, None, "unknown keys ['bogus_key']"),
+        ({"embedded_dp_sizes": [0]}, None, "embedded_dp_sizes must all be >= 1"),
+        ({"psrl_ps_manager_addr": "127.0.0.1:1"}, [], "psmanager and psrl_ps_manager_addr: give one"),
+    ],
+)
+def test_a_bad_config_is_an_actor_error_that_names_it(cluster, config, psmanager, says) -> None:
+    actor = RolloutGateway.remote(config, psmanager=psmanager)
+    with pytest.raises(ray.exceptions.ActorDiedError, match=re.escape(says)):
+        ray.get(actor.urls.remote(), timeout=60)
