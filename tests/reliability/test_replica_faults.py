@@ -138,7 +138,12 @@ def test_psrl_requests_on_a_replica_killed_mid_decode_continue_on_another(model_
         threads = [threading.Thread(target=one, args=(i,)) for i in range(4)] + [threading.Thread(target=stream)]
         for t in threads:
             t.start()
-        wait_for(lambda: replica_busy(a.url) == 5, "five requests running on replica a")
+        # the stream must have relayed tokens before the kill (its role chunk, then content), or it starts again
+        # instead of continuing elsewhere
+        wait_for(
+            lambda: replica_busy(a.url) == 5 and len(streamed) >= 3,
+            "five requests running on replica a, the stream past its first tokens",
+        )
         os.kill(a.proc.pid, signal.SIGKILL)
         for t in threads:
             t.join(180)
