@@ -24,6 +24,7 @@ from psrl.credentials import (
 )
 from psrl.gateway.config import GatewayConfig, parse_args
 from psrl.gateway.processes import first_free_port, spawn_module, stop_processes
+from psrl.worker.config import WILDCARD_HOSTS
 
 logger = logging.getLogger("psrl.gateway")
 
@@ -58,11 +59,15 @@ class RolloutGateway:
     @property
     def call_host(self) -> str:
         """The host the processes call each other on: the bound one, or 127.0.0.1 for a wildcard."""
-        return "127.0.0.1" if self.config.host in ("0.0.0.0", "::", "") else self.config.host
+        return "127.0.0.1" if self.config.host.strip("[]") in WILDCARD_HOSTS else self.config.host
+
+    def _children(self) -> list[subprocess.Popen]:
+        """The processes started and not stopped yet, in the order they started."""
+        return [p for p in (self._router, self._session, *self._replicas) if p is not None]
 
     def child_pids(self) -> list[int]:
         """Every process the gateway started and has not stopped yet."""
-        return [p.pid for p in (self._router, self._session, *self._replicas) if p is not None]
+        return [p.pid for p in self._children()]
 
     def _log(self, name: str) -> Path | None:
         return Path(self.config.log_dir) / f"{name}.log" if self.config.log_dir else None
@@ -171,11 +176,11 @@ class RolloutGateway:
 
     def running(self) -> bool:
         """Whether every process the gateway started is still running (False once stopped)."""
-        procs = [p for p in (self._router, self._session, *self._replicas) if p is not None]
+        procs = self._children()
         return bool(procs) and all(p.poll() is None for p in procs)
 
     def stop(self) -> None:
-        stop_processes([p for p in (self._session, *self._replicas, self._router) if p is not None])
+        stop_processes(self._children()[::-1])  # the router last: the others call it
         self._replicas.clear()
         self._router = None
         self._session = None
@@ -183,9 +188,9 @@ class RolloutGateway:
     def wait(self) -> int:
         """Block until a child dies (returns its code) or the gateway is stopped."""
         while True:
-            for proc in [self._router, *self._replicas, *([self._session] if self._session else [])]:
-                if proc is None:
-                    return 0
+            if self._router is None:  # stopped
+                return 0
+            for proc in self._children():
                 if proc.poll() is not None:
                     return proc.returncode or 1
             time.sleep(0.5)
