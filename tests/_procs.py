@@ -184,3 +184,8 @@ def descendants(pid: int) -> set[int]:
             out.add(child)
             todo.append(child)
     return out
+
+
+def cmdline(pid: int) -> str:
+    """A process's command line, its arguments joined by spaces."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()

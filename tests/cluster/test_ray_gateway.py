@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from _procs import process_alive, replica_busy
+from _procs import cmdline, process_alive, replica_busy
 from _wait import wait_for
 
 from psrl.coordinator import BlockingRolloutCoordinator
@@ -26,10 +26,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.procs]
 ADMIN = "ray-admin-key-0123"
 TOKEN = "ray-replica-token-4567"
 PSRL = {"x-request-id": "1", "x-prompt-id": "1"}
-
-
-def _cmdline(pid: int) -> str:
-    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
 
 
 def _spec(tmp: Path) -> ReplicaSpec:
@@ -78,10 +74,10 @@ def test_keys_reach_the_processes_in_their_environment_not_their_command_line(ga
     pids += [ray.get(r.pid.remote()) for r in ray.get(actor.replicas.remote())]
     assert len(pids) == 4  # router, SessionRouter, two replicas
     for pid in pids:
-        assert ADMIN not in _cmdline(pid) and TOKEN not in _cmdline(pid)
+        assert ADMIN not in cmdline(pid) and TOKEN not in cmdline(pid)
     environ = Path(f"/proc/{pids[0]}/environ").read_bytes().split(b"\0")
     assert f"PSRL_ROUTER_API_KEY={ADMIN}".encode() in environ and f"PSRL_REPLICA_TOKEN={TOKEN}".encode() in environ
-    assert "--psrl-ps-manager-addr" in _cmdline(pids[0])  # the router routes with the PSManager child actor
+    assert "--psrl-ps-manager-addr" in cmdline(pids[0])  # the router routes with the PSManager child actor
 
 
 def test_chat_and_a_tito_session_through_its_urls(gateway) -> None:

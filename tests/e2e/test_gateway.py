@@ -16,10 +16,11 @@ import grpc
 import httpx
 import openai
 import pytest
-from _procs import REPO, descendants, free_port, process_alive, start_replica
+from _procs import REPO, cmdline, descendants, free_port, process_alive, start_replica
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from psrl.gateway import GatewayConfig, RolloutGateway
+from psrl.gateway.processes import AnnouncedProcess, stop_processes
 
 
 def _start_gateway(tmp_path: Path) -> tuple[subprocess.Popen, str, str]:
@@ -148,7 +149,7 @@ def test_a_gateway_on_every_address_and_one_that_waits_for_registrations(model_d
         assert gateway.router_url.startswith("http://127.0.0.1:")
         (worker,) = httpx.get(f"{gateway.router_url}/workers").json()["workers"]
         assert worker["url"].startswith("grpc://127.0.0.1:")
-        assert gateway.running() and _cmdline_has(gateway.child_pids()[0], "--host 0.0.0.0")
+        assert gateway.running() and "--host 0.0.0.0" in cmdline(gateway.child_pids()[0])
         body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
         assert httpx.post(f"{gateway.router_url}/generate", json=body, timeout=60).status_code == 200
     empty = GatewayConfig(embedded_dp_sizes=[], enable_session_router=False, log_dir=str(tmp_path / "empty"))
@@ -164,5 +165,18 @@ def test_a_gateway_on_every_address_and_one_that_waits_for_registrations(model_d
     assert not gateway.running()
 
 
-def _cmdline_has(pid: int, text: str) -> bool:
-    return text in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+def test_an_announced_process_gives_its_address_or_says_why_not() -> None:
+    """AnnouncedProcess (what the Ray actors start replicas with): the word after the marker, or a clear error."""
+    zen = AnnouncedProcess("this", [], "Beautiful")  # `python -m this` prints "Beautiful is better than ugly."
+    assert zen.wait_ready(30) == "is"
+    gone = AnnouncedProcess("json.tool", ["/no/such/file"], "READY")  # exits 2 at once, never ready
+    with pytest.raises(RuntimeError, match=r"json\.tool exited with code 2 before it was ready"):
+        gone.wait_ready(30)
+    silent = AnnouncedProcess("http.server", ["0", "--bind", "127.0.0.1"], "READY")  # serves, never says READY
+    try:
+        with pytest.raises(TimeoutError, match=r"http\.server printed no READY line within 1\.0s"):
+            silent.wait_ready(1.0)
+    finally:
+        stop_processes([silent.proc])
+    for p in (zen.proc, gone.proc):
+        p.wait(10)
