@@ -1,10 +1,39 @@
-"""A scripted agent for SessionRouter tests: each turn adds the reply and a tool result to its context."""
+"""SessionRouter test helpers: a scripted agent (each turn adds the reply and a tool result to its context),
+and a small capacity-bound stack for the thunder_agent strategy."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
+from _procs import Proc, start_replica, start_router, start_session_router
+from _wait import wait_for
+
+from psrl.gateway.processes import stop_processes
+
+CAPACITY = ["--num-blocks", "32", "--block-size", "16"]  # 512 tokens: about two of the scripted agents
+ROUTER_ADMIN = "router-admin"
+
+
+@contextmanager
+def capacity_stack(model_dir: Path, log_dir: Path, session_args: list[str]) -> Iterator[tuple[Proc, Proc, str]]:
+    """A keyed router, one replica of CAPACITY that registers itself (its labels carry its KV capacity,
+    `max_model_len`), and a SessionRouter with `session_args`: (router, session router, model)."""
+    router = start_router(log_dir, [], args=["--load-poll-interval-s", "0.1", "--admin-api-key", ROUTER_ADMIN])
+    procs = [router.proc]
+    try:
+        args = [*CAPACITY, "--router", router.url, "--router-api-key", ROUTER_ADMIN]
+        procs.append(start_replica(model_dir, log_dir, args=args).proc)
+        wait_for(lambda: httpx.get(f"{router.url}/health").json()["workers"] == 1, "the replica registered")
+        session = start_session_router(log_dir, router.url, session_args)
+        procs.append(session.proc)
+        model = httpx.get(f"{router.url}/v1/models").json()["data"][0]["id"]
+        yield router, session, model
+    finally:
+        stop_processes(procs[::-1])
 
 
 async def scripted_agent(client: httpx.AsyncClient, model: str, sid: str, turns: int) -> list[int]:

@@ -11,39 +11,27 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _procs import Proc, start_replica, start_router, start_session_router
-from _sessions import scripted_agent
-from _wait import until, wait_for
+from _procs import Proc
+from _sessions import ROUTER_ADMIN, capacity_stack, scripted_agent
+from _wait import until
 
 from psrl.coordinator import BlockingRolloutCoordinator, RolloutCoordinator
-from psrl.gateway.processes import stop_processes
 from psrl.session.config import ThunderConfig
 
-CAPACITY = ["--num-blocks", "32", "--block-size", "16"]
 SESSION_ADMIN = {"x-admin-api-key": "session-admin"}
 
 
 @pytest.fixture(scope="module")
 def stack(model_dir: Path, log_dir: Path) -> Iterator[tuple[Proc, Proc, str]]:
-    router = start_router(log_dir, [], args=["--load-poll-interval-s", "0.1", "--admin-api-key", "router-admin"])
-    procs = [router.proc]
-    try:
-        args = [*CAPACITY, "--router", router.url, "--router-api-key", "router-admin"]
-        procs.append(start_replica(model_dir, log_dir, args=args).proc)
-        wait_for(lambda: httpx.get(f"{router.url}/health").json()["workers"] == 1, "the replica registered")
-        session = start_session_router(log_dir, router.url, ["--admin-api-key", "session-admin"])
-        procs.append(session.proc)
-        model = httpx.get(f"{router.url}/v1/models").json()["data"][0]["id"]
-        yield router, session, model
-    finally:
-        stop_processes(procs[::-1])
+    with capacity_stack(model_dir, log_dir, ["--admin-api-key", "session-admin"]) as procs:
+        yield procs
 
 
 async def test_the_coordinator_holds_hangs_and_continues_sessions_over_http(stack) -> None:
     router, session, model = stack
     config = ThunderConfig(check_interval_ms=50, max_hold_s=600)
     async with (
-        RolloutCoordinator(router.url, admin_api_key="router-admin") as coordinator,
+        RolloutCoordinator(router.url, admin_api_key=ROUTER_ADMIN) as coordinator,
         httpx.AsyncClient(base_url=session.url, timeout=120) as client,
     ):
         driver = coordinator.session_strategy(session.url, config, session_admin_api_key="session-admin")
@@ -74,7 +62,7 @@ async def test_the_coordinator_holds_hangs_and_continues_sessions_over_http(stac
 
 async def test_a_wrong_session_router_key_skips_the_round(stack) -> None:
     router, session, _ = stack
-    async with RolloutCoordinator(router.url, admin_api_key="router-admin") as coordinator:
+    async with RolloutCoordinator(router.url, admin_api_key=ROUTER_ADMIN) as coordinator:
         driver = coordinator.session_strategy(session.url, session_admin_api_key="wrong")
         try:
             driver.start()
@@ -88,7 +76,7 @@ async def test_a_wrong_session_router_key_skips_the_round(stack) -> None:
 def test_the_blocking_client_drives_the_same_rounds(stack) -> None:
     router, session, _ = stack
     with (
-        BlockingRolloutCoordinator(router.url, admin_api_key="router-admin") as coordinator,
+        BlockingRolloutCoordinator(router.url, admin_api_key=ROUTER_ADMIN) as coordinator,
         httpx.Client(base_url=session.url, timeout=30) as client,
     ):
         strategy = coordinator.session_strategy(session.url, session_admin_api_key="session-admin")

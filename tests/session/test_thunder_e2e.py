@@ -11,40 +11,27 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _procs import Proc, free_port, start_replica, start_router, start_session_router
-from _sessions import scripted_agent
+from _procs import Proc, free_port
+from _sessions import ROUTER_ADMIN, capacity_stack, scripted_agent
 from _wait import until, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from psrl.gateway.processes import stop_processes
 from psrl.session.app import SessionRouter
 from psrl.session.config import SessionConfig
 from psrl.session.thunder_driver import ReadError
 
-CAPACITY = ["--num-blocks", "32", "--block-size", "16"]  # 512 tokens: about two of the agents below
 STRATEGY = ["--session-strategy", "thunder_agent", "--thunder-check-interval-ms", "50", "--thunder-max-hold-s", "600"]
 
 
-ADMIN = {"Authorization": "Bearer router-admin"}
+ADMIN = {"Authorization": f"Bearer {ROUTER_ADMIN}"}
 
 
 @pytest.fixture(scope="module")
 def stack(model_dir: Path, log_dir: Path) -> Iterator[tuple[Proc, Proc, str]]:
-    """The replica registers itself (its labels carry its KV capacity, `max_model_len`); the router's admin
-    endpoints take a key, which the SessionRouter's strategy reads them with."""
-    router = start_router(log_dir, [], args=["--load-poll-interval-s", "0.1", "--admin-api-key", "router-admin"])
-    procs = [router.proc]
-    try:
-        args = [*CAPACITY, "--router", router.url, "--router-api-key", "router-admin"]
-        procs.append(start_replica(model_dir, log_dir, args=args).proc)
-        wait_for(lambda: httpx.get(f"{router.url}/health").json()["workers"] == 1, "the replica registered")
-        strategy = [*STRATEGY, "--router-admin-api-key", "router-admin", "--log-level", "info"]
-        session = start_session_router(log_dir, router.url, strategy)
-        procs.append(session.proc)
-        model = httpx.get(f"{router.url}/v1/models").json()["data"][0]["id"]
-        yield router, session, model
-    finally:
-        stop_processes(procs[::-1])
+    """The router's admin endpoints take a key, which the SessionRouter's strategy reads them with."""
+    strategy = [*STRATEGY, "--router-admin-api-key", ROUTER_ADMIN, "--log-level", "info"]
+    with capacity_stack(model_dir, log_dir, strategy) as procs:
+        yield procs
 
 
 def metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
