@@ -1,5 +1,6 @@
 """gRPC side of the router: one channel per worker, and the calls the router makes on it (with the replicas'
-shared token on every one when the router has it: psrl.replica_auth)."""
+shared token on every one when the router has it: psrl.replica_auth). Generate, the call every request makes,
+goes over psrl.router.grpc_stream instead of the channel."""
 
 from __future__ import annotations
 
@@ -12,12 +13,16 @@ import grpc
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from psrl._proto import routed_experts_pb2, routed_experts_pb2_grpc
-from psrl.replica_auth import REFUSED_ERROR_CODE, token_interceptors
+from psrl.replica_auth import REFUSED_ERROR_CODE, token_interceptors, token_metadata
 from psrl.router.errors import WorkerUnavailable
+from psrl.router.grpc_stream import CurlGrpc, StreamCall
 from psrl.router.registry import Worker
 from psrl.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+_ENGINE = vllm_engine_pb2.DESCRIPTOR.services_by_name["VllmEngine"]
+GENERATE_METHOD = f"/{_ENGINE.full_name}/{_ENGINE.methods_by_name['Generate'].name}"
 
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
@@ -57,6 +62,8 @@ class WorkerClients:
         self._stubs: dict[str, vllm_engine_pb2_grpc.VllmEngineStub] = {}
         self._routed_experts_stubs: dict[str, routed_experts_pb2_grpc.RoutedExpertsStub] = {}
         self._interceptors = token_interceptors(replica_token)
+        self._token_metadata = token_metadata(replica_token)
+        self._streams = CurlGrpc()
         self._refusals_logged: set[str] = set()
 
     def stub(self, target: str) -> vllm_engine_pb2_grpc.VllmEngineStub:
@@ -66,6 +73,23 @@ class WorkerClients:
             self._channels[target] = channel
             stub = self._stubs[target] = vllm_engine_pb2_grpc.VllmEngineStub(channel)
         return stub
+
+    def generate(
+        self,
+        target: str,
+        request: vllm_engine_pb2.GenerateRequest,
+        timeout_s: float | None,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> StreamCall[vllm_engine_pb2.GenerateResponse]:
+        """Start a Generate on `target`; its frames are read from the call it returns."""
+        return self._streams.unary_stream(
+            target,
+            GENERATE_METHOD,
+            request,
+            vllm_engine_pb2.GenerateResponse.FromString,
+            timeout_s=timeout_s,
+            metadata=self._token_metadata + metadata,
+        )
 
     async def take_routed_experts(
         self, target: str, request_id: str, index: int, timeout_s: float
@@ -90,6 +114,7 @@ class WorkerClients:
             await channel.close(grace=None)
 
     async def close(self) -> None:
+        self._streams.close()
         await asyncio.gather(*(self.drop(t) for t in list(self._channels)))
 
     async def facts(self, target: str, timeout_s: float) -> WorkerFacts:

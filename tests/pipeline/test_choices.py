@@ -12,7 +12,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import grpc
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
@@ -48,13 +47,13 @@ def complete(ids: list[int], reason: str, index: int = 0, stop: str | None = Non
 
 
 class _Call:
-    """A Generate RPC answering scripted frames, then EOF."""
+    """A Generate RPC answering scripted frames, then None (the end)."""
 
     def __init__(self, frames: list[pb.GenerateResponse]) -> None:
         self._frames = list(frames)
 
     async def read(self) -> Any:
-        return self._frames.pop(0) if self._frames else grpc.aio.EOF
+        return self._frames.pop(0) if self._frames else None
 
     def cancel(self) -> None:
         self._frames = []
@@ -83,10 +82,7 @@ class _Replica:
         )
     )
 
-    def stub(self, target: str) -> _Replica:
-        return self
-
-    def Generate(self, request: pb.GenerateRequest, timeout: float | None = None) -> _Call:
+    def generate(self, target: str, request: pb.GenerateRequest, timeout_s: float | None, metadata=()) -> _Call:
         self.requests.append(request)
         return _Call(self.script(request))
 
@@ -343,7 +339,7 @@ async def test_a_dispatch_cancelled_before_its_first_frame_releases_its_ticket()
     """A sibling choice failed or the client left while this call waited: its ticket must not leak."""
     silent = _Silent()
     replica = _Replica(lambda r: [])
-    replica.Generate = lambda request, timeout=None: silent  # type: ignore[method-assign]
+    replica.generate = lambda target, request, timeout_s, metadata=(): silent  # type: ignore[method-assign]
     dispatcher = Dispatcher.__new__(Dispatcher)
     dispatcher.clients, dispatcher.request_timeout_s = replica, None  # type: ignore[assignment]
     released: list[Any] = []

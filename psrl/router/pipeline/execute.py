@@ -110,12 +110,10 @@ class WorkerCall:
         self.error: RouterError | None = None  # set when the call failed (also for streams that report it in-band)
         self._want_top = bool(gen.sampling.logprobs)
         self._clients = clients
-        stub, request = clients.stub(instance.worker.target), gen.to_proto(instance.id.dp_rank)
-        if gen.routed_experts_start is None:
-            self._call = stub.Generate(request, timeout=timeout_s)
-        else:
-            ask = ((ROUTED_EXPERTS_METADATA_KEY, str(gen.routed_experts_start)),)
-            self._call = stub.Generate(request, timeout=timeout_s, metadata=ask)
+        ask = (
+            () if gen.routed_experts_start is None else ((ROUTED_EXPERTS_METADATA_KEY, str(gen.routed_experts_start)),)
+        )
+        self._call = clients.generate(instance.worker.target, gen.to_proto(instance.id.dp_rank), timeout_s, ask)
         self._first: vllm_engine_pb2.GenerateResponse | None = None
         self._frames = 0
         self._saw_chunk = [False] * gen.sampling.n
@@ -128,7 +126,7 @@ class WorkerCall:
             started = self._frames > 0 or await self._was_accepted()
             self.error = map_rpc_error(e, started=started, instance=self.instance)
             raise self.error from e
-        if frame is grpc.aio.EOF:
+        if frame is None:
             return None
         self._frames += 1
         return frame
@@ -248,7 +246,7 @@ class WorkerCall:
             await stub.Abort(vllm_engine_pb2.AbortRequest(request_ids=[self.gen.request_id]), timeout=10)
             while True:
                 frame = await self._call.read()
-                if frame is grpc.aio.EOF:
+                if frame is None:
                     return
                 if frame.WhichOneof("response") == "complete":
                     break

@@ -1,0 +1,393 @@
+"""The router's Generate calls, the one RPC on its hot path, over libcurl (pycurl) instead of grpc.aio.
+
+One curl multi handle, driven by the router's event loop (curl's socket and timer callbacks become
+`add_reader`/`add_writer`/`call_later`), carries every Generate, multiplexed as HTTP/2 streams over curl's
+connections to each replica (prior knowledge, cleartext). libcurl and its nghttp2 do HTTP/2 and HPACK; this
+module frames gRPC messages (a flag byte and a 4-byte length before each) and reads the status from the
+trailers. No thread is involved: grpc.aio's core polls on threads of its own and wakes the loop for each
+event, which is most of what one call costs it (bench/router_overhead.py prints both).
+
+`StreamCall` behaves as grpc.aio's unary-stream call does where the router uses one: `read()` returns each
+message and then None (grpc.aio: `EOF`), a failure is a `grpc.aio.AioRpcError` with the status gRPC would give (so
+the router maps errors one way for both clients), `cancel()` resets the stream (the replica sees a cancelled
+RPC and aborts the request), `initial_metadata()`, `wait_for_connection()` and `done()`. Deadlines go out as
+`grpc-timeout` and are enforced here too. The control plane (registration, health, loads, aborts, KV events,
+the tokenizer) stays on grpc.aio: it is not per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+from urllib.parse import unquote
+
+import grpc
+import pycurl
+from google.protobuf.message import Message
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Message)
+
+MAX_MESSAGE_BYTES = 64 << 20  # as the router's grpc.aio channels allow
+CONNECT_TIMEOUT_MS = 10_000
+_PREFIX = 5  # gRPC message framing: compressed flag, big-endian length
+_REQUEST_HEADERS = ["content-type: application/grpc", "te: trailers", "accept:", "expect:"]  # drop curl's own
+# Transport failures: the replica is gone or unreachable, or its connection broke.
+_UNAVAILABLE = frozenset(
+    (
+        pycurl.E_COULDNT_CONNECT,
+        pycurl.E_COULDNT_RESOLVE_HOST,
+        pycurl.E_GOT_NOTHING,
+        pycurl.E_SEND_ERROR,
+        pycurl.E_RECV_ERROR,
+        pycurl.E_PARTIAL_FILE,
+        pycurl.E_HTTP2,
+        92,  # CURLE_HTTP2_STREAM: the stream was reset (pycurl has no name for it)
+    )
+)
+# gRPC's mapping of an HTTP status that is not 200 (doc/http-grpc-status-mapping.md).
+_HTTP_STATUS = {
+    400: grpc.StatusCode.INTERNAL,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.UNIMPLEMENTED,
+    429: grpc.StatusCode.UNAVAILABLE,
+    502: grpc.StatusCode.UNAVAILABLE,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.UNAVAILABLE,
+}
+_STATUS_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def _metadata(lines: Sequence[tuple[str, str]]) -> grpc.aio.Metadata:
+    return grpc.aio.Metadata(*lines)
+
+
+class StreamCall(Generic[M]):
+    """One unary-stream call (see the module docstring). Made by `CurlGrpc.unary_stream`."""
+
+    __slots__ = (
+        "_body",
+        "_buf",
+        "_curl",
+        "_deserialize",
+        "_done",
+        "_error",
+        "_headers",
+        "_headers_done",
+        "_messages",
+        "_owner",
+        "_sent",
+        "_trailers",
+        "_waiter",
+        "target",
+    )
+
+    def __init__(self, owner: CurlGrpc, target: str, body: bytes, deserialize: Callable[[bytes], M]) -> None:
+        self._owner = owner
+        self.target = target
+        self._body = body
+        self._deserialize = deserialize
+        self._buf = bytearray()
+        self._messages: deque[bytes] = deque()
+        self._headers: list[tuple[str, str]] = []
+        self._trailers: list[tuple[str, str]] = []
+        self._headers_done = False
+        self._sent = False
+        self._done = False
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._curl: pycurl.Curl | None = None
+
+    # ---- the caller's side -------------------------------------------------------------------------
+
+    async def read(self) -> M | None:
+        """The next message, None after the last one of a call that ended OK; the call's error after the
+        messages that came before it."""
+        while not self._messages:
+            if self._done:
+                if self._error is not None:
+                    raise self._error
+                return None
+            await self._wait()
+        return self._deserialize(self._messages.popleft())
+
+    async def initial_metadata(self) -> grpc.aio.Metadata:
+        while not (self._headers_done or self._done):
+            await self._wait()
+        return _metadata(self._headers)
+
+    async def wait_for_connection(self) -> None:
+        """Return once the request has been handed to the connection; the call's error if it ended first."""
+        while not (self._sent or self._done):
+            await self._wait()
+        if self._done and self._error is not None and not self._sent:
+            raise self._error
+
+    def done(self) -> bool:
+        return self._done
+
+    def cancel(self) -> bool:
+        """Reset the stream if the call is still running; a finished call is left alone (False)."""
+        if self._done:
+            return False
+        self._owner.remove(self)
+        self._messages.clear()  # as grpc.aio: nothing is read from a cancelled call
+        self._end(asyncio.CancelledError())
+        return True
+
+    async def _wait(self) -> None:
+        if self._waiter is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+        await self._waiter
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # ---- curl's side (its callbacks, on the loop) ----------------------------------------------------
+
+    def _read_body(self, size: int) -> bytes:
+        chunk, self._body = self._body[:size], self._body[size:]
+        if not self._body:
+            self._sent = True
+            self._wake()
+        return chunk
+
+    def _on_header(self, line: bytes) -> None:
+        text = line.decode("latin-1").rstrip("\r\n")
+        if not text:
+            if not self._headers_done:
+                self._headers_done = True
+                self._wake()
+            return
+        name, sep, value = text.partition(":")
+        if not sep:  # the status line ("HTTP/2 200")
+            return
+        (self._trailers if self._headers_done else self._headers).append((name.strip().lower(), value.strip()))
+
+    def _on_data(self, data: bytes) -> int | None:
+        buf = self._buf
+        buf += data
+        start = 0
+        while len(buf) - start >= _PREFIX:
+            length = int.from_bytes(buf[start + 1 : start + _PREFIX], "big")
+            if buf[start] != 0 or length > MAX_MESSAGE_BYTES:
+                why = "a compressed message (none was asked for)" if buf[start] else f"a message of {length} bytes"
+                self._error = self._rpc_error(grpc.StatusCode.INTERNAL, f"the replica sent {why}")
+                return 0  # curl ends the transfer (CURLE_WRITE_ERROR); the error above is the call's
+            end = start + _PREFIX + length
+            if len(buf) < end:
+                break
+            self._messages.append(bytes(buf[start + _PREFIX : end]))
+            start = end
+        if start:
+            del buf[:start]
+            self._wake()
+        return None
+
+    def _finished(self, errno: int, message: str) -> None:
+        """curl ended the transfer: errno 0 when the HTTP/2 stream ended, whatever its gRPC status."""
+        if self._error is not None:  # set while reading (a malformed message)
+            self._end(self._error)
+            return
+        if errno:
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if errno == pycurl.E_OPERATION_TIMEDOUT else None
+            if code is None:
+                code = grpc.StatusCode.UNAVAILABLE if errno in _UNAVAILABLE else grpc.StatusCode.UNKNOWN
+            self._end(self._rpc_error(code, f"{message} (curl error {errno})"))
+            return
+        status = self._field("grpc-status")
+        if status is None:
+            assert self._curl is not None
+            http = self._curl.getinfo(pycurl.RESPONSE_CODE)
+            code = grpc.StatusCode.INTERNAL if http == 200 else _HTTP_STATUS.get(http, grpc.StatusCode.UNKNOWN)
+            self._end(self._rpc_error(code, f"the replica answered HTTP {http} without a gRPC status"))
+            return
+        code = _STATUS_BY_VALUE.get(int(status) if status.isdigit() else -1, grpc.StatusCode.UNKNOWN)
+        if code is grpc.StatusCode.OK:
+            if self._buf:
+                why = f"the stream ended inside a message ({len(self._buf)} bytes)"
+                self._end(self._rpc_error(grpc.StatusCode.INTERNAL, why))
+            else:
+                self._end(None)
+            return
+        self._end(self._rpc_error(code, unquote(self._field("grpc-message") or "")))
+
+    def _field(self, name: str) -> str | None:
+        """A trailer; or, in a trailers-only answer (an error before any message), the same header."""
+        for key, value in self._trailers or self._headers:
+            if key == name:
+                return value
+        return None
+
+    def _rpc_error(self, code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+        return grpc.aio.AioRpcError(code, _metadata(self._headers), _metadata(self._trailers), details)
+
+    def _end(self, error: BaseException | None) -> None:
+        self._done = True
+        self._error = error
+        self._body = b""
+        self._wake()
+
+
+class CurlGrpc:
+    """The curl multi handle and its integration with the running event loop (made on first use, so
+    one loop owns it); idle easy handles are kept for the next call."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._multi: pycurl.CurlMulti | None = None
+        self._calls: dict[pycurl.Curl, StreamCall] = {}
+        self._idle: list[pycurl.Curl] = []
+        self._fds: dict[int, int] = {}  # fd -> the pycurl.POLL_* it is watched for
+        self._timer: asyncio.TimerHandle | None = None
+        self._running = 0
+
+    def unary_stream(
+        self,
+        target: str,
+        method: str,
+        request: Message,
+        deserialize: Callable[[bytes], M],
+        *,
+        timeout_s: float | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
+    ) -> StreamCall[M]:
+        """Start `method` ("/package.Service/Method") on `target` (host:port); it is on its way when this
+        returns (curl writes it in this call when the connection is up)."""
+        multi = self._multi or self._open()
+        payload = request.SerializeToString()
+        call: StreamCall[M] = StreamCall(self, target, len(payload).to_bytes(_PREFIX, "big") + payload, deserialize)
+        curl = self._idle.pop() if self._idle else self._new_handle()
+        headers = [*_REQUEST_HEADERS, *(f"{k}: {v}" for k, v in metadata)]
+        if timeout_s is not None:
+            ms = max(1, int(timeout_s * 1000))
+            headers.append(f"grpc-timeout: {ms}m")
+            curl.setopt(pycurl.TIMEOUT_MS, ms)
+        else:
+            curl.setopt(pycurl.TIMEOUT_MS, 0)
+        curl.setopt(pycurl.URL, f"http://{target}{method}")
+        curl.setopt(pycurl.HTTPHEADER, headers)
+        curl.setopt(pycurl.POSTFIELDSIZE, len(call._body))
+        curl.setopt(pycurl.READFUNCTION, call._read_body)
+        curl.setopt(pycurl.HEADERFUNCTION, call._on_header)
+        curl.setopt(pycurl.WRITEFUNCTION, call._on_data)
+        call._curl = curl
+        self._calls[curl] = call
+        multi.add_handle(curl)
+        self._running += 1
+        self._act(pycurl.SOCKET_TIMEOUT, 0)  # start it now rather than on curl's 0 ms timer
+        return call
+
+    def remove(self, call: StreamCall) -> None:
+        """Take a running call off the multi handle (curl resets its stream)."""
+        curl = call._curl
+        if curl is not None and self._calls.pop(curl, None) is call:
+            assert self._multi is not None
+            self._multi.remove_handle(curl)
+            self._running -= 1
+            self._recycle(curl)
+
+    def close(self) -> None:
+        for call in list(self._calls.values()):
+            call.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+        for curl in self._idle:
+            curl.close()
+        self._idle.clear()
+        if self._multi is not None:
+            self._multi.close()  # closes its connections
+            self._multi = None
+        if self._loop is not None and not self._loop.is_closed():
+            for fd in self._fds:
+                self._loop.remove_reader(fd)
+                self._loop.remove_writer(fd)
+        self._fds.clear()
+
+    # ---- curl <-> the event loop ----------------------------------------------------------------------
+
+    def _open(self) -> pycurl.CurlMulti:
+        self._loop = asyncio.get_running_loop()
+        multi = pycurl.CurlMulti()
+        multi.setopt(pycurl.M_PIPELINING, pycurl.PIPE_MULTIPLEX)
+        multi.setopt(pycurl.M_SOCKETFUNCTION, self._on_socket)
+        multi.setopt(pycurl.M_TIMERFUNCTION, self._on_timer)
+        self._multi = multi
+        return multi
+
+    @staticmethod
+    def _new_handle() -> pycurl.Curl:
+        curl = pycurl.Curl()
+        curl.setopt(pycurl.HTTP_VERSION, pycurl.CURL_HTTP_VERSION_2_PRIOR_KNOWLEDGE)
+        curl.setopt(pycurl.POST, 1)
+        curl.setopt(pycurl.PIPEWAIT, 1)  # wait to share the replica's connection rather than open another
+        curl.setopt(pycurl.NOSIGNAL, 1)
+        curl.setopt(pycurl.CONNECTTIMEOUT_MS, CONNECT_TIMEOUT_MS)
+        curl.setopt(pycurl.TCP_NODELAY, 1)
+        curl.setopt(pycurl.TCP_KEEPALIVE, 1)
+        return curl
+
+    def _recycle(self, curl: pycurl.Curl) -> None:
+        for option in (pycurl.READFUNCTION, pycurl.HEADERFUNCTION, pycurl.WRITEFUNCTION):
+            curl.unsetopt(option)  # the finished call is not kept alive by its handle
+        self._idle.append(curl)
+
+    def _on_socket(self, what: int, fd: int, multi: object, socketp: object) -> None:
+        loop = self._loop
+        assert loop is not None
+        old = self._fds.pop(fd, 0)
+        new = 0 if what == pycurl.POLL_REMOVE else what
+        if old & pycurl.POLL_IN and not new & pycurl.POLL_IN:
+            loop.remove_reader(fd)
+        elif new & pycurl.POLL_IN and not old & pycurl.POLL_IN:
+            loop.add_reader(fd, self._act, fd, pycurl.CSELECT_IN)
+        if old & pycurl.POLL_OUT and not new & pycurl.POLL_OUT:
+            loop.remove_writer(fd)
+        elif new & pycurl.POLL_OUT and not old & pycurl.POLL_OUT:
+            loop.add_writer(fd, self._act, fd, pycurl.CSELECT_OUT)
+        if new:
+            self._fds[fd] = new
+
+    def _on_timer(self, ms: int) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if ms >= 0:
+            assert self._loop is not None
+            self._timer = self._loop.call_later(ms / 1000, self._act, pycurl.SOCKET_TIMEOUT, 0)
+
+    def _act(self, fd: int, events: int) -> None:
+        multi = self._multi
+        if multi is None:
+            return
+        while True:
+            ret, running = multi.socket_action(fd, events)
+            if ret != pycurl.E_CALL_MULTI_PERFORM:
+                break
+        if running < self._running:
+            self._collect(multi)
+
+    def _collect(self, multi: pycurl.CurlMulti) -> None:
+        while True:
+            queued, ok, failed = multi.info_read()
+            for curl in ok:
+                self._complete(multi, curl, 0, "")
+            for curl, errno, message in failed:
+                self._complete(multi, curl, errno, message)
+            if not queued:
+                break
+
+    def _complete(self, multi: pycurl.CurlMulti, curl: pycurl.Curl, errno: int, message: str) -> None:
+        call = self._calls.pop(curl, None)
+        multi.remove_handle(curl)
+        self._running -= 1
+        if call is not None:
+            call._finished(errno, message)
+        self._recycle(curl)

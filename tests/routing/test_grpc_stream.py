@@ -1,0 +1,219 @@
+"""psrl.router.grpc_stream, the router's Generate client over libcurl, against a reference replica and grpc.aio
+servers: the same frames, statuses and details as grpc.aio's client; cancel aborts the replica's request; a
+deadline, an unreachable replica and a peer that is not gRPC are errors with gRPC's codes, never a hang."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import grpc
+import pycurl
+import pytest
+from _procs import Proc, free_port, replica_busy
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
+
+from psrl.router.grpc_stream import CurlGrpc, StreamCall
+from psrl.router.worker_client import GENERATE_METHOD
+
+PROMPT = list(range(11, 31))
+
+
+def _req(rid: str, *, stream: bool = False, max_tokens: int = 8, prompt: list[int] | None = None) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        request_id=rid,
+        tokenized=pb.TokenizedInput(input_ids=prompt or PROMPT),
+        sampling_params=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        stream=stream,
+    )
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[CurlGrpc]:
+    c = CurlGrpc()
+    yield c
+    c.close()
+    assert not c._fds and not c._calls  # nothing left watched or running
+
+
+def _call(client: CurlGrpc, target: str, req: pb.GenerateRequest, **kw: object) -> StreamCall[pb.GenerateResponse]:
+    return client.unary_stream(target, GENERATE_METHOD, req, pb.GenerateResponse.FromString, **kw)  # type: ignore[arg-type]
+
+
+async def _frames(call: StreamCall[pb.GenerateResponse]) -> list[pb.GenerateResponse]:
+    frames = []
+    while (frame := await call.read()) is not None:
+        frames.append(frame)
+    return frames
+
+
+async def _grpc_aio(
+    target: str, req: pb.GenerateRequest
+) -> tuple[list[pb.GenerateResponse], grpc.aio.AioRpcError | None]:
+    async with grpc.aio.insecure_channel(target) as channel:
+        frames = []
+        try:
+            async for frame in pb_grpc.VllmEngineStub(channel).Generate(req):
+                frames.append(frame)
+        except grpc.aio.AioRpcError as e:
+            return frames, e
+    return frames, None
+
+
+def _target(replica: Proc) -> str:
+    return replica.url.removeprefix("grpc://")
+
+
+async def test_frames_match_grpc_aio_streamed_and_not(client: CurlGrpc, replica: Proc) -> None:
+    for stream in (False, True):
+        req = _req(f"same-{stream}", stream=stream, max_tokens=24)
+        call = _call(client, _target(replica), req, timeout_s=60)
+        await call.wait_for_connection()
+        ours = await _frames(call)
+        theirs, error = await _grpc_aio(_target(replica), _req(f"same-{stream}-aio", stream=stream, max_tokens=24))
+        assert error is None and call.done()
+        assert [f.WhichOneof("response") for f in ours] == [f.WhichOneof("response") for f in theirs]
+        assert [list(f.chunk.token_ids) or list(f.complete.output_ids) for f in ours] == [
+            list(f.chunk.token_ids) or list(f.complete.output_ids) for f in theirs
+        ]  # greedy: the same ids, frame by frame
+        assert len(ours) == (25 if stream else 1)  # streamed: a chunk per token, then the complete frame
+        assert await call.read() is None  # and again, once ended
+        metadata = await call.initial_metadata()
+        assert metadata.get("x-psrl-accepted") == "1"  # what the router reads to tell "started" from "refused"
+
+
+async def test_many_calls_share_the_connection(client: CurlGrpc, replica: Proc) -> None:
+    await _frames(_call(client, _target(replica), _req("first", max_tokens=1)))  # the connection is up
+    calls = [_call(client, _target(replica), _req(f"many-{i}", max_tokens=2), timeout_s=60) for i in range(64)]
+    results = await asyncio.gather(*(_frames(c) for c in calls))
+    assert all(r[-1].complete.finish_reason == "length" for r in results)
+    assert sum(c._curl.getinfo(pycurl.NUM_CONNECTS) for c in calls) == 0  # type: ignore[union-attr]  # all on the one
+
+
+async def test_refusal_has_grpc_aio_code_and_details(client: CurlGrpc, replica: Proc) -> None:
+    too_long = _req("overflow", prompt=[1] * 5000)
+    call = _call(client, _target(replica), too_long, timeout_s=60)
+    with pytest.raises(grpc.aio.AioRpcError) as ours:
+        await call.read()
+    _, theirs = await _grpc_aio(_target(replica), too_long)
+    assert theirs is not None
+    assert ours.value.code() == theirs.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ours.value.details() == theirs.details() and "maximum model length" in ours.value.details()
+    with pytest.raises(grpc.aio.AioRpcError):
+        await call.read()  # an ended call keeps its error
+
+
+async def test_cancel_aborts_the_replicas_request(client: CurlGrpc, replica: Proc) -> None:
+    call = _call(client, _target(replica), _req("cancelled", stream=True, max_tokens=1500), timeout_s=60)
+    assert (await call.read()).WhichOneof("response") == "chunk"  # type: ignore[union-attr]
+    assert await asyncio.to_thread(replica_busy, replica.url) == 1
+    assert call.cancel() and call.done() and not call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call.read()
+    deadline = time.monotonic() + 10
+    while await asyncio.to_thread(replica_busy, replica.url):
+        assert time.monotonic() < deadline, "the replica still runs the cancelled request"
+        await asyncio.sleep(0.05)
+    # the connection is fine for the next call
+    assert (await _frames(_call(client, _target(replica), _req("after", max_tokens=2))))[-1].complete.output_ids
+
+
+async def test_deadline_is_deadline_exceeded(client: CurlGrpc, replica: Proc) -> None:
+    call = _call(client, _target(replica), _req("slow", stream=True, max_tokens=1500), timeout_s=0.3)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await _frames(call)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+async def test_unreachable_replica_is_unavailable(client: CurlGrpc) -> None:
+    call = _call(client, f"127.0.0.1:{free_port()}", _req("nobody"), timeout_s=5)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await call.wait_for_connection()
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(grpc.aio.AioRpcError):
+        await call.read()
+
+
+class _Servicer(pb_grpc.VllmEngineServicer):
+    """Error paths a replica of ours never takes."""
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator:
+        if request.request_id == "trailers-only":
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "kein Zugang: ü%ß")
+        yield pb.GenerateResponse(chunk=pb.GenerateStreamChunk(token_ids=[1, 2]))
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "out of KV blocks")
+
+
+@pytest.fixture
+async def grpc_server() -> AsyncIterator[str]:
+    server = grpc.aio.server()
+    pb_grpc.add_VllmEngineServicer_to_server(_Servicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    yield f"127.0.0.1:{port}"
+    await server.stop(None)
+
+
+async def test_statuses_of_a_grpc_server_read_as_grpc_aio_reads_them(client: CurlGrpc, grpc_server: str) -> None:
+    for rid in ("trailers-only", "mid-stream"):
+        call = _call(client, grpc_server, _req(rid))
+        frames, theirs = await _grpc_aio(grpc_server, _req(rid))
+        ours: list[pb.GenerateResponse] = []
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            while True:
+                ours.append(await call.read())  # type: ignore[arg-type]
+        assert theirs is not None and (e.value.code(), e.value.details()) == (theirs.code(), theirs.details())
+        assert ours == frames  # the frames before the error are read first
+
+
+@pytest.fixture
+def http1_server() -> Iterator[str]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"not gRPC")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+async def test_a_peer_that_is_not_grpc_is_an_error(client: CurlGrpc, http1_server: str) -> None:
+    call = _call(client, http1_server, _req("http1"), timeout_s=5)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await call.read()
+    assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN)
+    assert "curl error" in e.value.details()
+
+
+async def test_a_replica_that_dies_mid_stream_is_unavailable(client: CurlGrpc) -> None:
+    """A listener that accepts and closes: the connection breaks under the call."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def accept_and_close() -> None:
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.close()
+
+    thread = threading.Thread(target=accept_and_close, daemon=True)
+    thread.start()
+    try:
+        call = _call(client, f"127.0.0.1:{port}", _req("dies"), timeout_s=5)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await call.read()
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        thread.join(5)
+        listener.close()
