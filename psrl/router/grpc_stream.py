@@ -61,10 +61,7 @@ _HTTP_STATUS = {
     504: grpc.StatusCode.UNAVAILABLE,
 }
 _STATUS_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
-
-
-def _metadata(lines: Sequence[tuple[str, str]]) -> grpc.aio.Metadata:
-    return grpc.aio.Metadata(*lines)
+_OK_LINE = b"grpc-status: 0\r\n"  # as curl writes a header (nghttp2 gives names in lower case)
 
 
 class StreamCall(Generic[M]):
@@ -77,12 +74,10 @@ class StreamCall(Generic[M]):
         "_deserialize",
         "_done",
         "_error",
-        "_headers",
-        "_headers_done",
+        "_lines",
         "_messages",
         "_owner",
         "_sent",
-        "_trailers",
         "_waiter",
         "target",
     )
@@ -94,9 +89,7 @@ class StreamCall(Generic[M]):
         self._deserialize = deserialize
         self._buf = bytearray()
         self._messages: deque[bytes] = deque()
-        self._headers: list[tuple[str, str]] = []
-        self._trailers: list[tuple[str, str]] = []
-        self._headers_done = False
+        self._lines: list[bytes] = []  # header lines as curl gives them: the headers, a blank line, the trailers
         self._sent = False
         self._done = False
         self._error: BaseException | None = None
@@ -117,9 +110,9 @@ class StreamCall(Generic[M]):
         return self._deserialize(self._messages.popleft())
 
     async def initial_metadata(self) -> grpc.aio.Metadata:
-        while not (self._headers_done or self._done):
+        while not (self._done or self._messages or b"\r\n" in self._lines):  # headers come before messages
             await self._wait()
-        return _metadata(self._headers)
+        return grpc.aio.Metadata(*self._parsed_headers()[0])
 
     async def wait_for_connection(self) -> None:
         """Return once the request has been handed to the connection; the call's error if it ended first."""
@@ -159,18 +152,6 @@ class StreamCall(Generic[M]):
             self._wake()
         return chunk
 
-    def _on_header(self, line: bytes) -> None:
-        text = line.decode("latin-1").rstrip("\r\n")
-        if not text:
-            if not self._headers_done:
-                self._headers_done = True
-                self._wake()
-            return
-        name, sep, value = text.partition(":")
-        if not sep:  # the status line ("HTTP/2 200")
-            return
-        (self._trailers if self._headers_done else self._headers).append((name.strip().lower(), value.strip()))
-
     def _on_data(self, data: bytes) -> int | None:
         buf = self._buf
         buf += data
@@ -197,10 +178,14 @@ class StreamCall(Generic[M]):
             self._end(self._error)
             return
         if errno:
-            code = grpc.StatusCode.DEADLINE_EXCEEDED if errno == pycurl.E_OPERATION_TIMEDOUT else None
-            if code is None:
+            if errno == pycurl.E_OPERATION_TIMEDOUT:
+                code = grpc.StatusCode.DEADLINE_EXCEEDED
+            else:
                 code = grpc.StatusCode.UNAVAILABLE if errno in _UNAVAILABLE else grpc.StatusCode.UNKNOWN
             self._end(self._rpc_error(code, f"{message} (curl error {errno})"))
+            return
+        if _OK_LINE in self._lines and not self._buf:  # the common case, without parsing the headers
+            self._end(None)
             return
         status = self._field("grpc-status")
         if status is None:
@@ -219,15 +204,32 @@ class StreamCall(Generic[M]):
             return
         self._end(self._rpc_error(code, unquote(self._field("grpc-message") or "")))
 
+    def _parsed_headers(self) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+        """The headers and the trailers, parsed."""
+        headers: list[tuple[str, str]] = []
+        trailers: list[tuple[str, str]] = []
+        into = headers
+        for raw in self._lines:
+            text = raw.decode("latin-1").rstrip("\r\n")
+            if not text:
+                into = trailers
+                continue
+            name, sep, value = text.partition(":")
+            if sep:  # not the status line ("HTTP/2 200")
+                into.append((name.strip().lower(), value.strip()))
+        return headers, trailers
+
     def _field(self, name: str) -> str | None:
         """A trailer; or, in a trailers-only answer (an error before any message), the same header."""
-        for key, value in self._trailers or self._headers:
+        headers, trailers = self._parsed_headers()
+        for key, value in trailers or headers:
             if key == name:
                 return value
         return None
 
     def _rpc_error(self, code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-        return grpc.aio.AioRpcError(code, _metadata(self._headers), _metadata(self._trailers), details)
+        headers, trailers = self._parsed_headers()
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(*headers), grpc.aio.Metadata(*trailers), details)
 
     def _end(self, error: BaseException | None) -> None:
         self._done = True
@@ -276,7 +278,7 @@ class CurlGrpc:
         curl.setopt(pycurl.HTTPHEADER, headers)
         curl.setopt(pycurl.POSTFIELDSIZE, len(call._body))
         curl.setopt(pycurl.READFUNCTION, call._read_body)
-        curl.setopt(pycurl.HEADERFUNCTION, call._on_header)
+        curl.setopt(pycurl.HEADERFUNCTION, call._lines.append)  # parsed only when read
         curl.setopt(pycurl.WRITEFUNCTION, call._on_data)
         call._curl = curl
         self._calls[curl] = call

@@ -18,6 +18,7 @@ from _procs import Proc, free_port, replica_busy
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
+from psrl.router import grpc_stream
 from psrl.router.grpc_stream import CurlGrpc, StreamCall
 from psrl.router.worker_client import GENERATE_METHOD
 
@@ -83,6 +84,7 @@ async def test_frames_match_grpc_aio_streamed_and_not(client: CurlGrpc, replica:
         ]  # greedy: the same ids, frame by frame
         assert len(ours) == (25 if stream else 1)  # streamed: a chunk per token, then the complete frame
         assert await call.read() is None  # and again, once ended
+        assert grpc_stream._OK_LINE in call._lines  # the status line as the fast path looks for it
         metadata = await call.initial_metadata()
         assert metadata.get("x-psrl-accepted") == "1"  # what the router reads to tell "started" from "refused"
 
