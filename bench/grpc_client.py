@@ -32,7 +32,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 from psrl.router.grpc_stream import CurlGrpc
 from psrl.router.worker_client import GENERATE_METHOD
 
-IDS = list(range(1000, 1200))
+IDS = [1 + i % 500 for i in range(200)]
 Client = Callable[[str, pb.GenerateRequest], Awaitable[list[pb.GenerateResponse]]]
 
 
