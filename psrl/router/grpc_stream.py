@@ -248,7 +248,8 @@ class CurlGrpc:
         self._calls: dict[pycurl.Curl, StreamCall] = {}
         self._idle: list[pycurl.Curl] = []
         self._fds: dict[int, int] = {}  # fd -> the pycurl.POLL_* it is watched for
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.Handle | None = None  # call_at gives a plain Handle for a time already past
+        self._due = 0.0  # when it fires (loop time)
         self._running = 0
 
     def unary_stream(
@@ -358,12 +359,25 @@ class CurlGrpc:
             self._fds[fd] = new
 
     def _on_timer(self, ms: int) -> None:
+        """curl's next timeout moved. A timer already due sooner is kept: firing early only makes curl
+        check its timeouts and name the next one (cheaper than a new timer on every call, as curl asks)."""
+        loop = self._loop
+        assert loop is not None
+        if ms < 0:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            return
+        due = loop.time() + ms / 1000
         if self._timer is not None:
+            if self._due <= due:
+                return
             self._timer.cancel()
-            self._timer = None
-        if ms >= 0:
-            assert self._loop is not None
-            self._timer = self._loop.call_later(ms / 1000, self._act, pycurl.SOCKET_TIMEOUT, 0)
+        self._timer, self._due = loop.call_at(due, self._on_timeout), due
+
+    def _on_timeout(self) -> None:
+        self._timer = None
+        self._act(pycurl.SOCKET_TIMEOUT, 0)
 
     def _act(self, fd: int, events: int) -> None:
         multi = self._multi

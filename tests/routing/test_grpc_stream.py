@@ -1,6 +1,7 @@
 """psrl.router.grpc_stream, the router's Generate client over libcurl, against a reference replica and grpc.aio
-servers: the same frames, statuses and details as grpc.aio's client; cancel aborts the replica's request; a
-deadline, an unreachable replica and a peer that is not gRPC are errors with gRPC's codes, never a hang."""
+servers, on asyncio's loop and on the router's (uvloop): the same frames, statuses and details as grpc.aio's
+client; cancel aborts the replica's request; a deadline, an unreachable replica and a peer that is not gRPC are
+errors with gRPC's codes, never a hang."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
 import pycurl
 import pytest
+import uvloop
 from _procs import Proc, free_port, replica_busy
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
@@ -219,3 +221,27 @@ async def test_a_replica_that_dies_mid_stream_is_unavailable(client: CurlGrpc) -
     finally:
         thread.join(5)
         listener.close()
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        test_frames_match_grpc_aio_streamed_and_not,
+        test_many_calls_share_the_connection,
+        test_refusal_has_grpc_aio_code_and_details,
+        test_cancel_aborts_the_replicas_request,
+        test_deadline_is_deadline_exceeded,
+    ],
+)
+def test_the_same_on_uvloop(scenario: Callable[[CurlGrpc, Proc], Awaitable[None]], replica: Proc) -> None:
+    """The router runs on uvloop, whose timer handles are not asyncio's."""
+
+    async def run() -> None:
+        client = CurlGrpc()
+        try:
+            await scenario(client, replica)
+        finally:
+            client.close()
+        assert not client._fds and not client._calls
+
+    uvloop.run(run())
