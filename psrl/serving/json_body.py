@@ -8,6 +8,7 @@ import re
 import sys
 from typing import Any
 
+import msgspec
 import numpy as np
 
 # Deeper than any real request (tool schemas nest a few dozen levels) and far below the interpreter's
@@ -22,6 +23,7 @@ _NOT_BRACKETS = bytes(range(256)).translate(None, b"[]{}")
 # Brackets as bytes one above (an opening one) or one below (a closing one) zero, for a cumulative sum.
 _BRACKET_STEPS = bytes.maketrans(b"[{]}", b"\x02\x02\x00\x00")
 _CHUNK = 1 << 20  # brackets per cumulative-sum step: bounds the scan's temporary memory
+_FAST_DECODER = msgspec.json.Decoder()
 
 
 class JsonBodyError(ValueError):
@@ -60,7 +62,17 @@ def nesting_depth_exceeds(text: str, limit: int = MAX_JSON_DEPTH) -> bool:
 
 def loads_bounded(raw: bytes | str) -> Any:
     """`json.loads` of a request body (UTF-8, -16 or -32, as json detects it; or text already decoded, such as
-    a string field holding JSON), or a JsonBodyError."""
+    a string field holding JSON), or a JsonBodyError.
+
+    A UTF-8 body that opens too few brackets to nest too deep is first given to msgspec's decoder, several
+    times faster on token-id lists; it gives the same value wherever it accepts a document. What it refuses
+    (other encodings, a BOM, lone surrogates, NaN, a literal beyond float range, malformed JSON) goes on to
+    `json`, whose verdict and message stand."""
+    if isinstance(raw, bytes) and raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        try:
+            return _FAST_DECODER.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
     if isinstance(raw, str):
         text = raw
     else:

@@ -62,6 +62,36 @@ def test_values_parse_as_json_loads_does() -> None:
     assert loads_bounded('{"a": 1}'.encode("utf-16")) == {"a": 1}
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"input_ids": [1, 2, 3], "sampling_params": {"temperature": 0.7, "top_p": 1e-3}}',
+        b'{"a": -0.0, "b": 1.0000000000000002, "c": 0.1e-400, "d": 1.5e308, "e": 1E+2}',
+        b'{"a": 123456789012345678901234567890, "b": 18446744073709551616, "c": -9223372036854775809}',
+        b'{"a": 1, "a": 2}',  # the last one wins
+        b'{"a": "\\u0000 \\" \\t", "b": "\xc3\xa9 \\ud83d\\ude00"}',
+        # refused by the fast decoder, accepted by json: the same value still
+        b'{"a": "\\ud800"}',
+        b'{"a": NaN, "b": Infinity, "c": 1e400}',
+        b'\xef\xbb\xbf{"a": 1}',
+    ],
+)
+def test_both_decoders_give_json_loads_value(raw: bytes) -> None:
+    expected = json.loads(raw.decode(json.detect_encoding(raw), "surrogatepass"))
+    got = loads_bounded(raw)
+    assert repr(got) == repr(expected)  # repr: NaN, -0.0 and int-vs-float all count
+
+
+def test_a_fast_decoder_refusal_is_json_refusal() -> None:
+    """Malformed bodies fail in both decoders; the message is json's, as before the fast path."""
+    for raw in (b'{"a": 01}', b'{"a": 1}  x', b'{"a": .5}', b'{"a": "\t"}', b"[1,]"):
+        with pytest.raises(JsonBodyError) as ours:
+            loads_bounded(raw)
+        with pytest.raises(json.JSONDecodeError) as theirs:
+            json.loads(raw)
+        assert str(ours.value) == f"request body is not valid JSON: {theirs.value}"
+
+
 def test_only_a_surrogate_escape_makes_a_body_need_its_strings_checked() -> None:
     assert may_hold_surrogates(b'{"content": "ok \\ud800"}') and may_hold_surrogates(b'["\\uDFFF"]')
     assert may_hold_surrogates(b'["\\ud83d\\ude00"]')  # a pair: checked, and found valid
