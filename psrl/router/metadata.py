@@ -39,6 +39,9 @@ class RoutingMeta:
         return self.hint is not None and (self.is_sticky or self.force_pin_once)
 
 
+NO_ROUTING_META = RoutingMeta()  # a request without PSRL headers (frozen: one instance serves all)
+
+
 def _int(headers: Mapping[str, str], name: str) -> int | None:
     raw = headers.get(name)
     if raw is None or raw.strip() == "":

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from psrl.router.asgi import AnyResponse, Request
 from psrl.router.errors import RouterError
-from psrl.router.metadata import RoutingMeta
+from psrl.router.metadata import NO_ROUTING_META, RoutingMeta
 from psrl.router.pipeline.context import Generation, GenerationInput
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 S = TypeVar("S")  # what the stages are given besides the context (the router's services)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestContext:
     """One request on its way through a pipeline. Fields are filled stage by stage, in this order."""
 
@@ -41,7 +41,7 @@ class RequestContext:
     # read: the body, the routing headers, the parsed request, the served model, a fresh request id
     raw: bytes = b""
     body: dict[str, Any] = field(default_factory=dict)
-    meta: RoutingMeta = field(default_factory=RoutingMeta)
+    meta: RoutingMeta = NO_ROUTING_META
     chat: ChatRequest | None = None
     completion: CompletionRequest | None = None
     generate: GenerateRequestBody | None = None
