@@ -8,7 +8,13 @@
 - Framing errors get the server's JSON error (400 `invalid_http_request`) instead of uvicorn's text/plain.
 
 Nothing here runs once the request is read: a long generation or a stream is never cut. Idle kept-alive
-connections stay bounded by uvicorn's own `timeout_keep_alive`.
+connections stay bounded by uvicorn's `timeout_keep_alive`.
+
+The timeouts (these and the keep-alive one) are deadlines, not timers armed and cancelled per request: arming
+one only records when it is due, and each connection keeps a single loop timer, set for the earliest deadline.
+When it fires, what is due runs and it is set again for what is left. A request costs no timer operations:
+a loop timer armed and cancelled per timeout (4 a request, the keep-alive one included) cost about 10 us of
+CPU a request, a third of what uvicorn's own HTTP handling costs.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ logger = logging.getLogger("psrl.serving")
 # closes: closing a socket with unread data resets it, and a client still sending would lose the answer.
 LINGER_S = 2.0
 
+# A deadline this close is due: loop timers round to the millisecond and may fire that much early.
+_DUE_S = 0.001
+
 # (code, message) -> the error body in the server's own JSON shape.
 RenderError = Callable[[str, str], bytes]
 
@@ -52,8 +61,13 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(config, server_state, app_state, _loop)
         self.limits = limits
         self.render_error = render_error
-        self._head_timer: TimerHandle | None = None
-        self._body_timer: TimerHandle | None = None
+        # Deadlines (loop time) of what is awaited; None: not awaited. `_timer` fires at `_timer_at`, no later
+        # than the earliest of them (see the module's docstring).
+        self._head_deadline: float | None = None  # the request head being received
+        self._body_deadline: float | None = None  # the next bytes of the request body
+        self._idle_deadline: float | None = None  # uvicorn's keep-alive: the next request
+        self._timer: TimerHandle | None = None
+        self._timer_at = 0.0
         self._linger_timer: TimerHandle | None = None
         self._head_started = False  # a request head is being received
         self._body_bytes = 0  # of the request being received
@@ -68,6 +82,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timers()
+        self._idle_deadline = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._linger_timer is not None:
             self._linger_timer.cancel()
             self._linger_timer = None
@@ -78,8 +96,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return  # the rest of an upload we already answered: dropped
         super().data_received(data)
         if (
-            self._head_timer is None
-            and self.timeout_keep_alive_task is None
+            self._head_deadline is None
+            and self._idle_deadline is None
             and self._idle()
             and not self._rejected
             and not self.transport.is_closing()
@@ -96,7 +114,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self._head_started = True
         self._body_bytes = 0
-        if self._head_timer is None:
+        if self._head_deadline is None:
             self._arm_head_timer()
 
     def on_headers_complete(self) -> None:
@@ -133,29 +151,72 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         return self.cycle is None or self.cycle.response_complete
 
     def _arm_head_timer(self) -> None:
-        self._cancel_head_timer()
-        self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._on_head_timeout)
+        self._head_deadline = self._due(self.limits.header_timeout_s)
 
     def _cancel_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        self._head_deadline = None
 
     def _arm_body_timer(self) -> None:
-        self._cancel_body_timer()
-        self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._on_body_timeout)
+        self._body_deadline = self._due(self.limits.body_timeout_s)
 
     def _cancel_body_timer(self) -> None:
-        if self._body_timer is not None:
-            self._body_timer.cancel()
-            self._body_timer = None
+        self._body_deadline = None
 
     def _cancel_timers(self) -> None:
-        self._cancel_head_timer()
-        self._cancel_body_timer()
+        self._head_deadline = None
+        self._body_deadline = None
+
+    def _due(self, delay: float) -> float:
+        """The deadline `delay` from now, with the connection's timer set to fire by then."""
+        at = self.loop.time() + delay
+        if self._timer is None or at < self._timer_at:
+            self._schedule(at)
+        return at
+
+    def _schedule(self, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = self.loop.call_at(at, self._on_timer)
+
+    def _on_timer(self) -> None:
+        """Run what is due, earliest first (each at most once: a handler may set its deadline again), then set
+        the timer for what is left."""
+        self._timer = None
+        now = self.loop.time() + _DUE_S
+        fired = [False, False, False]
+        while True:
+            pending = [
+                (at, kind)
+                for kind, at in enumerate((self._head_deadline, self._body_deadline, self._idle_deadline))
+                if at is not None
+            ]
+            if not pending:
+                return
+            at, kind = min(pending)
+            if at > now or fired[kind]:
+                break
+            fired[kind] = True
+            if kind == 0:
+                self._head_deadline = None
+                self._on_head_timeout()
+            elif kind == 1:
+                self._body_deadline = None
+                self._on_body_timeout()
+            else:
+                self._idle_deadline = None
+                self.timeout_keep_alive_handler()
+        at = min(at for at, _ in pending)
+        if self._timer is None or at < self._timer_at:
+            self._schedule(at)
+
+    # uvicorn's keep-alive timeout, as a deadline: uvicorn arms it once a response is complete and clears it
+    # when bytes arrive (or the connection is lost).
+
+    def _unset_keepalive_if_required(self) -> None:
+        self._idle_deadline = None
 
     def _on_head_timeout(self) -> None:
-        self._head_timer = None
         if self.transport.is_closing():
             return
         if not self._idle():
@@ -167,7 +228,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()  # nothing was asked: nothing to answer
 
     def _on_body_timeout(self) -> None:
-        self._body_timer = None
         if self.transport.is_closing():
             return
         if self.flow.read_paused:
@@ -207,10 +267,19 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._answer_error(status, code, message)
 
     def on_response_complete(self) -> None:
-        if self._deferred_error is None:
-            super().on_response_complete()
-            return
         self.server_state.total_requests += 1
+        if self._deferred_error is None:
+            # uvicorn's, with its keep-alive timer as a deadline.
+            if self.transport.is_closing():
+                return
+            self._idle_deadline = None
+            self.flow.resume_reading()  # reading paused while the app was busy, if it was
+            if self.pipeline:  # a pipelined request waits: start it
+                cycle, app = self.pipeline.pop()
+                self._start_asgi_task(cycle, app)
+            else:
+                self._idle_deadline = self._due(self.timeout_keep_alive)
+            return
         if not self.transport.is_closing():
             self._answer_error(*self._deferred_error)
         self._deferred_error = None
