@@ -4,7 +4,9 @@ cost more CPU per request than the proxying itself; this keeps the hot path to w
 
 A client that leaves is noticed once, for the whole request: after its body is read, one task waits for
 `http.disconnect`, and its arrival cancels the handler (a non-streamed generation) or the stream being sent,
-so the pipeline aborts the replica's work and releases the instance at once.
+so the pipeline aborts the replica's work and releases the instance at once. Both run in the server's task
+for the request, which that arrival cancels (and the cancellation is then absorbed): a request costs one task
+of ours, not one per handler and stream besides.
 """
 
 from __future__ import annotations
@@ -63,22 +65,75 @@ class Request:
         if self._left is None:
             if self._body is None:
                 raise RuntimeError("the body must be read before watching for a disconnect")
-            self._left = asyncio.ensure_future(self._wait_disconnect())
+            self._left = asyncio.get_running_loop().create_task(self._wait_disconnect())
         return self._left
 
     async def _wait_disconnect(self) -> None:
         while (await self._receive())["type"] != "http.disconnect":
             pass
 
-    def close(self) -> None:
-        if self._left is not None:
+    def close(self, answered: bool = False) -> None:
+        """The request is over: `answered`, its answer is complete (or the client left). Then the watcher ends
+        by itself (receive() answers `http.disconnect` once a response is complete, and the server wakes it):
+        it is cancelled only when there is no answer (cancelling costs more CPU than the rest of it)."""
+        if self._left is not None and not answered:
             self._left.cancel()
 
 
+class _CancelOnLeave:
+    """The done-callback of `Request.client_left()` while `task` answers the request: the client leaving
+    cancels it. `fired` tells that cancellation (to absorb) from any other."""
+
+    __slots__ = ("fired", "task")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task = task
+        self.fired = False
+
+    def __call__(self, left: asyncio.Future[None]) -> None:
+        self.fired = True
+        self.task.cancel()
+
+
+async def _unless_left(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
+    """Await `work` in this task, cancelled if the client leaves first: (True, its result), or (False, None)
+    once that cancellation has ended it. Any other cancellation, or an error of `work`, propagates."""
+    task = asyncio.current_task()
+    assert task is not None
+    left = request.client_left()
+    leave = _CancelOnLeave(task)
+    left.add_done_callback(leave)
+    try:
+        result = await work
+    except asyncio.CancelledError:
+        if leave.fired and task.uncancel() == 0:
+            return False, None  # the client left: `work` is cancelled, nothing else is
+        raise
+    except BaseException:
+        if leave.fired:
+            task.uncancel()  # `work` turned the cancellation into an error: it propagates, as it did
+        raise
+    finally:
+        left.remove_done_callback(leave)
+    if leave.fired:
+        task.uncancel()  # `work` absorbed the cancellation and finished
+    return True, result
+
+
+# Encoded content-type headers of the media types seen (a few: ours, and those upstreams answer with).
+_CONTENT_TYPES: dict[str, tuple[bytes, bytes]] = {}
+_CONTENT_TYPES_MAX = 64
+
+
 def _raw_headers(media_type: str, headers: dict[str, str] | None, length: int | None) -> list[tuple[bytes, bytes]]:
-    raw = [(b"content-type", media_type.encode("latin-1"))]
+    content_type = _CONTENT_TYPES.get(media_type)
+    if content_type is None:
+        content_type = (b"content-type", media_type.encode("latin-1"))
+        if len(_CONTENT_TYPES) < _CONTENT_TYPES_MAX:
+            _CONTENT_TYPES[media_type] = content_type
+    raw = [content_type]
     if length is not None:
-        raw.append((b"content-length", str(length).encode()))
+        raw.append((b"content-length", b"%d" % length))
     if headers:
         raw.extend((k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items())
     return raw
@@ -147,15 +202,10 @@ class StreamingResponse:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, request: Request, send: Send) -> None:
-        streamer = asyncio.ensure_future(self._stream(send))
         try:
-            await asyncio.wait((streamer, request.client_left()), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            streamer.cancel()  # a no-op when it finished; otherwise the client left (or we are being cancelled)
-            await asyncio.gather(streamer, return_exceptions=True)
+            await _unless_left(request, self._stream(send))
+        finally:  # the stream ended, failed, or was cancelled (the client left, or we are being cancelled)
             await _close(self.chunks, self._pulled)
-        if not streamer.cancelled() and streamer.exception() is not None:
-            raise streamer.exception()  # type: ignore[misc]
 
 
 async def _close(chunks: AsyncIterator[bytes], pulled: bool) -> None:
@@ -232,10 +282,12 @@ class App:
                 await request.body()
             except ClientDisconnected:
                 return  # nothing to answer: the client is gone
+            answered = False
             try:
                 await self._respond(handler, request, send)
+                answered = True  # or the client left
             finally:
-                request.close()
+                request.close(answered)
         elif kind == "lifespan":
             await self._run_lifespan(receive, send)
 
@@ -243,17 +295,9 @@ class App:
     async def _respond(handler: Handler, request: Request, send: Send) -> None:
         """Run the handler while watching the client: if it leaves first, the handler is cancelled (its
         `finally` blocks release the instance and cancel the upstream call) and nothing is sent."""
-        handling = asyncio.ensure_future(handler(request))
-        try:
-            await asyncio.wait((handling, request.client_left()), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not handling.done():
-                handling.cancel()
-                await asyncio.gather(handling, return_exceptions=True)
-        if handling.cancelled():
-            return
-        response = handling.result()
-        await response(request, send)
+        answered, response = await _unless_left(request, handler(request))
+        if answered:
+            await response(request, send)
 
     async def _run_lifespan(self, receive: Receive, send: Send) -> None:
         await receive()  # lifespan.startup
