@@ -31,6 +31,10 @@ def run(config: RouterConfig) -> None:
             loop="uvloop",
             http=guarded_protocol(config.http_limits(), render_error),
             ws="none",
+            # Per-request work nothing here needs: X-Forwarded-* rewriting of the scope's client and scheme (which
+            # the router never reads) and the `server: uvicorn` header. The Date header stays (RFC 9110).
+            proxy_headers=False,
+            server_header=False,
             log_level=config.log_level,
             log_config=None,  # keep our structured handler
             access_log=False,
@@ -38,6 +42,7 @@ def run(config: RouterConfig) -> None:
             timeout_graceful_shutdown=config.graceful_shutdown_timeout_s,
         ),
         READY_MARKER,
+        freeze_heap=True,
     )
     run_server(server)
 
