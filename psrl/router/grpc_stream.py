@@ -110,6 +110,7 @@ class StreamCall(Generic[M]):
         return self._deserialize(self._messages.popleft())
 
     async def initial_metadata(self) -> grpc.aio.Metadata:
+        """The response headers, once they are in: at the latest with the first message, or at the end."""
         while not (self._done or self._messages or b"\r\n" in self._lines):  # headers come before messages
             await self._wait()
         return grpc.aio.Metadata(*self._parsed_headers()[0])
@@ -134,9 +135,10 @@ class StreamCall(Generic[M]):
         return True
 
     async def _wait(self) -> None:
-        if self._waiter is None:
-            self._waiter = asyncio.get_running_loop().create_future()
-        await self._waiter
+        waiter = self._waiter
+        if waiter is None or waiter.done():  # done: cancelled with a reader that was cancelled
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+        await waiter
 
     def _wake(self) -> None:
         waiter, self._waiter = self._waiter, None

@@ -147,6 +147,10 @@ class _Servicer(pb_grpc.VllmEngineServicer):
     """Error paths a replica of ours never takes."""
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator:
+        if request.request_id == "slow":
+            await asyncio.sleep(0.5)
+            yield pb.GenerateResponse(chunk=pb.GenerateStreamChunk(token_ids=[7]))
+            return
         if request.request_id == "trailers-only":
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "kein Zugang: ü%ß")
         yield pb.GenerateResponse(chunk=pb.GenerateStreamChunk(token_ids=[1, 2]))
@@ -173,6 +177,17 @@ async def test_statuses_of_a_grpc_server_read_as_grpc_aio_reads_them(client: Cur
                 ours.append(await call.read())  # type: ignore[arg-type]
         assert theirs is not None and (e.value.code(), e.value.details()) == (theirs.code(), theirs.details())
         assert ours == frames  # the frames before the error are read first
+
+
+async def test_a_cancelled_reader_leaves_the_call_readable(client: CurlGrpc, grpc_server: str) -> None:
+    """A reader that gives up (its task cancelled, as when a client leaves) does not poison the next read."""
+    call = _call(client, grpc_server, _req("slow"), timeout_s=10)
+    reader = asyncio.ensure_future(call.read())
+    await asyncio.sleep(0.05)  # waiting: the first message comes after 0.5 s
+    reader.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reader
+    assert [list(f.chunk.token_ids) for f in await _frames(call)] == [[7]]
 
 
 @pytest.fixture
