@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
@@ -34,6 +36,12 @@ M = TypeVar("M", bound=Message)
 
 MAX_MESSAGE_BYTES = 64 << 20  # as the router's grpc.aio channels allow
 CONNECT_TIMEOUT_MS = 10_000
+# A replica host that vanishes without closing its connections (node loss, a partition) is noticed within
+# about 40 s, as the grpc.aio channels' HTTP/2 keepalive (30 s, 10 s timeout) noticed it: TCP keepalive probes
+# on an idle connection, and a bound on unacknowledged data on a busy one.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 10, 1
+TCP_USER_TIMEOUT_MS = 40_000
+MAX_IDLE_HANDLES = 256  # easy handles kept for reuse (~55 KB each); a burst beyond it closes the rest
 _PREFIX = 5  # gRPC message framing: compressed flag, big-endian length
 _REQUEST_HEADERS = ["content-type: application/grpc", "te: trailers", "accept:", "expect:"]  # drop curl's own
 # Transport failures: the replica is gone or unreachable, or its connection broke.
@@ -46,6 +54,7 @@ _UNAVAILABLE = frozenset(
         pycurl.E_RECV_ERROR,
         pycurl.E_PARTIAL_FILE,
         pycurl.E_HTTP2,
+        pycurl.E_SEND_FAIL_REWIND,
         92,  # CURLE_HTTP2_STREAM: the stream was reset (pycurl has no name for it)
     )
 )
@@ -64,6 +73,16 @@ _STATUS_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
 _OK_LINE = b"grpc-status: 0\r\n"  # as curl writes a header (nghttp2 gives names in lower case)
 
 
+def _bound_socket(fd: int, purpose: int) -> int:
+    """curl's new sockets: keepalive gives up after one unanswered probe, and unacknowledged data after
+    TCP_USER_TIMEOUT_MS (Linux; elsewhere curl's keepalive alone)."""
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, TCP_USER_TIMEOUT_MS)
+    return pycurl.SOCKOPT_OK
+
+
 class StreamCall(Generic[M]):
     """One unary-stream call (see the module docstring). Made by `CurlGrpc.unary_stream`."""
 
@@ -76,16 +95,22 @@ class StreamCall(Generic[M]):
         "_error",
         "_lines",
         "_messages",
+        "_offset",
         "_owner",
         "_sent",
+        "_timeout_s",
         "_waiter",
         "target",
     )
 
-    def __init__(self, owner: CurlGrpc, target: str, body: bytes, deserialize: Callable[[bytes], M]) -> None:
+    def __init__(
+        self, owner: CurlGrpc, target: str, body: bytes, deserialize: Callable[[bytes], M], timeout_s: float | None
+    ) -> None:
         self._owner = owner
         self.target = target
         self._body = body
+        self._offset = 0  # how much of the body curl has taken
+        self._timeout_s = timeout_s
         self._deserialize = deserialize
         self._buf = bytearray()
         self._messages: deque[bytes] = deque()
@@ -135,10 +160,17 @@ class StreamCall(Generic[M]):
         return True
 
     async def _wait(self) -> None:
+        """Until the call's state changes (the caller checks it again). Waiters share one future: a waiting
+        task that is cancelled cancels it, and the others then wait on a new one."""
         waiter = self._waiter
-        if waiter is None or waiter.done():  # done: cancelled with a reader that was cancelled
+        if waiter is None or waiter.done():
             waiter = self._waiter = asyncio.get_running_loop().create_future()
-        await waiter
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # this task was cancelled
 
     def _wake(self) -> None:
         waiter, self._waiter = self._waiter, None
@@ -148,11 +180,20 @@ class StreamCall(Generic[M]):
     # ---- curl's side (its callbacks, on the loop) ----------------------------------------------------
 
     def _read_body(self, size: int) -> bytes:
-        chunk, self._body = self._body[:size], self._body[size:]
-        if not self._body:
+        start = self._offset
+        chunk = self._body[start : start + size]
+        self._offset = start + len(chunk)
+        if self._offset == len(self._body) and not self._sent:
             self._sent = True
             self._wake()
         return chunk
+
+    def _seek_body(self, offset: int, origin: int) -> int:
+        """curl sends the request again (a stream the replica refused, or one a GOAWAY left unprocessed)."""
+        if origin != 0 or not 0 <= offset <= len(self._body):
+            return pycurl.SEEKFUNC_CANTSEEK
+        self._offset = offset
+        return pycurl.SEEKFUNC_OK
 
     def _on_data(self, data: bytes) -> int | None:
         buf = self._buf
@@ -180,10 +221,12 @@ class StreamCall(Generic[M]):
             self._end(self._error)
             return
         if errno:
-            if errno == pycurl.E_OPERATION_TIMEDOUT:
+            if errno == pycurl.E_OPERATION_TIMEDOUT and self._past_deadline():
                 code = grpc.StatusCode.DEADLINE_EXCEEDED
+            elif errno in _UNAVAILABLE or errno == pycurl.E_OPERATION_TIMEDOUT:  # that one: connecting timed out
+                code = grpc.StatusCode.UNAVAILABLE
             else:
-                code = grpc.StatusCode.UNAVAILABLE if errno in _UNAVAILABLE else grpc.StatusCode.UNKNOWN
+                code = grpc.StatusCode.UNKNOWN
             self._end(self._rpc_error(code, f"{message} (curl error {errno})"))
             return
         if _OK_LINE in self._lines and not self._buf:  # the common case, without parsing the headers
@@ -196,7 +239,8 @@ class StreamCall(Generic[M]):
             code = grpc.StatusCode.INTERNAL if http == 200 else _HTTP_STATUS.get(http, grpc.StatusCode.UNKNOWN)
             self._end(self._rpc_error(code, f"the replica answered HTTP {http} without a gRPC status"))
             return
-        code = _STATUS_BY_VALUE.get(int(status) if status.isdigit() else -1, grpc.StatusCode.UNKNOWN)
+        value = int(status) if status.isascii() and status.isdigit() else -1
+        code = _STATUS_BY_VALUE.get(value, grpc.StatusCode.UNKNOWN)
         if code is grpc.StatusCode.OK:
             if self._buf:
                 why = f"the stream ended inside a message ({len(self._buf)} bytes)"
@@ -205,6 +249,13 @@ class StreamCall(Generic[M]):
                 self._end(None)
             return
         self._end(self._rpc_error(code, unquote(self._field("grpc-message") or "")))
+
+    def _past_deadline(self) -> bool:
+        """Whether curl's timeout was the call's deadline (and not its connect timeout)."""
+        if self._timeout_s is None:
+            return False
+        assert self._curl is not None
+        return self._curl.getinfo(pycurl.TOTAL_TIME) >= self._timeout_s - 0.01
 
     def _parsed_headers(self) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
         """The headers and the trailers, parsed."""
@@ -236,7 +287,6 @@ class StreamCall(Generic[M]):
     def _end(self, error: BaseException | None) -> None:
         self._done = True
         self._error = error
-        self._body = b""
         self._wake()
 
 
@@ -268,7 +318,8 @@ class CurlGrpc:
         returns (curl writes it in this call when the connection is up)."""
         multi = self._multi or self._open()
         payload = request.SerializeToString()
-        call: StreamCall[M] = StreamCall(self, target, len(payload).to_bytes(_PREFIX, "big") + payload, deserialize)
+        body = len(payload).to_bytes(_PREFIX, "big") + payload
+        call: StreamCall[M] = StreamCall(self, target, body, deserialize, timeout_s)
         curl = self._idle.pop() if self._idle else self._new_handle()
         headers = [*_REQUEST_HEADERS, *(f"{k}: {v}" for k, v in metadata)]
         if timeout_s is not None:
@@ -281,6 +332,7 @@ class CurlGrpc:
         curl.setopt(pycurl.HTTPHEADER, headers)
         curl.setopt(pycurl.POSTFIELDSIZE, len(call._body))
         curl.setopt(pycurl.READFUNCTION, call._read_body)
+        curl.setopt(pycurl.SEEKFUNCTION, call._seek_body)
         curl.setopt(pycurl.HEADERFUNCTION, call._lines.append)  # parsed only when read
         curl.setopt(pycurl.WRITEFUNCTION, call._on_data)
         call._curl = curl
@@ -289,6 +341,13 @@ class CurlGrpc:
         self._running += 1
         self._act(pycurl.SOCKET_TIMEOUT, 0)  # start it now rather than on curl's 0 ms timer
         return call
+
+    def fail_target(self, target: str, details: str) -> None:
+        """End every running call to `target` as CANCELLED (a worker taken out of the registry): their
+        streams are reset, and the router treats them as it does any call the replica's loss ended."""
+        for call in [c for c in self._calls.values() if c.target == target]:
+            self.remove(call)
+            call._end(call._rpc_error(grpc.StatusCode.CANCELLED, details))
 
     def remove(self, call: StreamCall) -> None:
         """Take a running call off the multi handle (curl resets its stream)."""
@@ -337,10 +396,16 @@ class CurlGrpc:
         curl.setopt(pycurl.CONNECTTIMEOUT_MS, CONNECT_TIMEOUT_MS)
         curl.setopt(pycurl.TCP_NODELAY, 1)
         curl.setopt(pycurl.TCP_KEEPALIVE, 1)
+        curl.setopt(pycurl.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+        curl.setopt(pycurl.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
+        curl.setopt(pycurl.SOCKOPTFUNCTION, _bound_socket)
         return curl
 
     def _recycle(self, curl: pycurl.Curl) -> None:
-        for option in (pycurl.READFUNCTION, pycurl.HEADERFUNCTION, pycurl.WRITEFUNCTION):
+        if len(self._idle) >= MAX_IDLE_HANDLES:
+            curl.close()
+            return
+        for option in (pycurl.READFUNCTION, pycurl.SEEKFUNCTION, pycurl.HEADERFUNCTION, pycurl.WRITEFUNCTION):
             curl.unsetopt(option)  # the finished call is not kept alive by its handle
         self._idle.append(curl)
 
@@ -406,6 +471,12 @@ class CurlGrpc:
         call = self._calls.pop(curl, None)
         multi.remove_handle(curl)
         self._running -= 1
-        if call is not None:
-            call._finished(errno, message)
-        self._recycle(curl)
+        try:
+            if call is not None:
+                call._finished(errno, message)
+        except Exception as e:  # whatever a peer sent, the call ends (a hang would hold its request forever)
+            logger.exception("Generate to %s: its answer could not be read", call.target if call else "?")
+            if call is not None and not call._done:
+                call._end(grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, details=f"unreadable answer: {e!r}"))
+        finally:
+            self._recycle(curl)

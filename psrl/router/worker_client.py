@@ -106,6 +106,8 @@ class WorkerClients:
         return await stub.TakeRoutedExperts(request, timeout=timeout_s)
 
     async def drop(self, target: str) -> None:
+        """The worker at `target` left the registry: its calls end (CANCELLED, as a closed channel ends them)."""
+        self._streams.fail_target(target, f"the worker at {target} was removed")
         self._stubs.pop(target, None)
         self._routed_experts_stubs.pop(target, None)
         self._refusals_logged.discard(target)

@@ -6,6 +6,8 @@ errors with gRPC's codes, never a hang."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import socket
 import threading
 import time
@@ -13,6 +15,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
 import pycurl
 import pytest
 import uvloop
@@ -260,3 +266,125 @@ def test_the_same_on_uvloop(scenario: Callable[[CurlGrpc, Proc], Awaitable[None]
         assert not client._fds and not client._calls
 
     uvloop.run(run())
+
+
+class _H2Replica(asyncio.Protocol):
+    """An HTTP/2 peer (the h2 library) that answers every stream as its mode says: what a gRPC server of
+    ours or vLLM's does only in races (a refused stream, a GOAWAY) or never (a status that is not a number)."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.conn.initiate_connection()
+        transport.write(self.conn.data_to_send())  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        for event in self.conn.receive_data(data):
+            if isinstance(event, h2.events.RequestReceived):
+                sid = event.stream_id
+                if self.mode == "refuse":
+                    self.conn.reset_stream(sid, h2.errors.ErrorCodes.REFUSED_STREAM)
+                elif self.mode == "goaway":
+                    self.conn.close_connection(last_stream_id=0)
+                elif self.mode == "odd-status":
+                    self.conn.send_headers(sid, [(b":status", b"200"), (b"content-type", b"application/grpc")])
+                    self.conn.send_headers(sid, [(b"grpc-status", b"\xb2")], end_stream=True)  # isdigit(), not int()
+        self.transport.write(self.conn.data_to_send())  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("mode", "code"),
+    [
+        ("refuse", grpc.StatusCode.UNAVAILABLE),  # curl sends it again (rewinding the body), then gives up
+        ("goaway", grpc.StatusCode.UNAVAILABLE),
+        ("odd-status", grpc.StatusCode.UNKNOWN),
+    ],
+)
+async def test_what_a_replica_does_only_in_races_still_ends_the_call(client: CurlGrpc, mode: str, code) -> None:
+    server = await asyncio.get_running_loop().create_server(lambda: _H2Replica(mode), "127.0.0.1", 0)
+    try:
+        call = _call(client, f"127.0.0.1:{server.sockets[0].getsockname()[1]}", _req(mode), timeout_s=10)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await asyncio.wait_for(call.read(), 5)
+        assert e.value.code() == code, e.value.details()
+    finally:
+        server.close()
+
+
+async def test_a_connect_timeout_is_unavailable_not_the_deadline(
+    client: CurlGrpc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica whose SYNs go unanswered is unreachable (the router retries elsewhere and marks it down)."""
+    monkeypatch.setattr(grpc_stream, "CONNECT_TIMEOUT_MS", 500)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    backlog = []
+    for _ in range(3):  # fill the backlog: further SYNs are dropped
+        s = socket.socket()
+        s.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            s.connect(("127.0.0.1", port))
+        backlog.append(s)
+    try:
+        call = _call(client, f"127.0.0.1:{port}", _req("black-hole"), timeout_s=30)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await asyncio.wait_for(call.read(), 10)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+    finally:
+        for s in backlog:
+            s.close()
+        listener.close()
+
+
+async def test_one_waiter_cancelled_leaves_the_others_waiting(client: CurlGrpc, grpc_server: str) -> None:
+    call = _call(client, grpc_server, _req("slow"), timeout_s=10)
+    reader = asyncio.ensure_future(call.read())
+    metadata = asyncio.ensure_future(call.initial_metadata())
+    await asyncio.sleep(0.05)
+    reader.cancel()
+    assert (await metadata).get("content-type") == "application/grpc"  # it waited on, not cancelled with it
+    assert [list(f.chunk.token_ids) for f in await _frames(call)] == [[7]]
+
+
+async def test_a_removed_worker_s_calls_end_cancelled(client: CurlGrpc, replica: Proc) -> None:
+    """WorkerClients.drop: the registry let the worker go; its running calls end as a closed channel's did."""
+    call = _call(client, _target(replica), _req("removed", stream=True, max_tokens=1500), timeout_s=60)
+    assert await call.read() is not None
+    client.fail_target(_target(replica), "the worker was removed")
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        while await call.read() is not None:
+            pass
+    assert e.value.code() == grpc.StatusCode.CANCELLED and not client._calls
+    deadline = time.monotonic() + 10
+    while await asyncio.to_thread(replica_busy, replica.url):  # its stream was reset: the replica aborted it
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+
+
+async def test_connections_are_bounded_in_time_and_handles_in_number(
+    client: CurlGrpc, replica: Proc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    call = _call(client, _target(replica), _req("keepalive", stream=True, max_tokens=200), timeout_s=60)
+    assert await call.read() is not None
+    sockets = []
+    for fd in client._fds:
+        with contextlib.suppress(OSError):
+            sock = socket.socket(fileno=os.dup(fd))
+            if sock.type == socket.SOCK_STREAM:
+                sockets.append(sock)
+            else:
+                sock.close()
+    assert len(sockets) == 1  # the replica's connection (curl also watches an eventfd of its own)
+    with sockets[0] as sock:
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == grpc_stream.KEEPALIVE_IDLE_S
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == grpc_stream.TCP_USER_TIMEOUT_MS
+    call.cancel()
+    monkeypatch.setattr(grpc_stream, "MAX_IDLE_HANDLES", 4)
+    calls = [_call(client, _target(replica), _req(f"burst-{i}", max_tokens=1)) for i in range(12)]
+    await asyncio.gather(*(_frames(c) for c in calls))
+    assert len(client._idle) == 4
