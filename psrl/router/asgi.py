@@ -82,17 +82,20 @@ class Request:
 
 class _CancelOnLeave:
     """The done-callback of `Request.client_left()` while `task` answers the request: the client leaving
-    cancels it. `fired` tells that cancellation (to absorb) from any other."""
+    cancels it. `fired` tells that cancellation (to absorb) from any other. Disarmed once the work is over:
+    a callback the loop has already scheduled cannot be removed, and must then do nothing."""
 
-    __slots__ = ("fired", "task")
+    __slots__ = ("armed", "fired", "task")
 
     def __init__(self, task: asyncio.Task[Any]) -> None:
         self.task = task
+        self.armed = True
         self.fired = False
 
     def __call__(self, left: asyncio.Future[None]) -> None:
-        self.fired = True
-        self.task.cancel()
+        if self.armed:
+            self.fired = True
+            self.task.cancel()
 
 
 async def _unless_left(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
@@ -114,6 +117,7 @@ async def _unless_left(request: Request, work: Awaitable[Any]) -> tuple[bool, An
             task.uncancel()  # `work` turned the cancellation into an error: it propagates, as it did
         raise
     finally:
+        leave.armed = False
         left.remove_done_callback(leave)
     if leave.fired:
         task.uncancel()  # `work` absorbed the cancellation and finished
