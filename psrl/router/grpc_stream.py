@@ -97,7 +97,6 @@ class StreamCall(Generic[M]):
         "_messages",
         "_offset",
         "_owner",
-        "_sent",
         "_timeout_s",
         "_waiter",
         "target",
@@ -115,7 +114,6 @@ class StreamCall(Generic[M]):
         self._buf = bytearray()
         self._messages: deque[bytes] = deque()
         self._lines: list[bytes] = []  # header lines as curl gives them: the headers, a blank line, the trailers
-        self._sent = False
         self._done = False
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -142,9 +140,9 @@ class StreamCall(Generic[M]):
 
     async def wait_for_connection(self) -> None:
         """Return once the request has been handed to the connection; the call's error if it ended first."""
-        while not (self._sent or self._done):
+        while not (self._sent() or self._done):
             await self._wait()
-        if self._done and self._error is not None and not self._sent:
+        if self._done and self._error is not None and not self._sent():
             raise self._error
 
     def done(self) -> bool:
@@ -183,10 +181,12 @@ class StreamCall(Generic[M]):
         start = self._offset
         chunk = self._body[start : start + size]
         self._offset = start + len(chunk)
-        if self._offset == len(self._body) and not self._sent:
-            self._sent = True
+        if self._sent():
             self._wake()
         return chunk
+
+    def _sent(self) -> bool:
+        return self._offset == len(self._body)
 
     def _seek_body(self, offset: int, origin: int) -> int:
         """curl sends the request again (a stream the replica refused, or one a GOAWAY left unprocessed)."""
@@ -302,7 +302,6 @@ class CurlGrpc:
         self._fds: dict[int, int] = {}  # fd -> the pycurl.POLL_* it is watched for
         self._timer: asyncio.Handle | None = None  # call_at gives a plain Handle for a time already past
         self._due = 0.0  # when it fires (loop time)
-        self._running = 0
 
     def unary_stream(
         self,
@@ -338,7 +337,6 @@ class CurlGrpc:
         call._curl = curl
         self._calls[curl] = call
         multi.add_handle(curl)
-        self._running += 1
         self._act(pycurl.SOCKET_TIMEOUT, 0)  # start it now rather than on curl's 0 ms timer
         return call
 
@@ -355,7 +353,6 @@ class CurlGrpc:
         if curl is not None and self._calls.pop(curl, None) is call:
             assert self._multi is not None
             self._multi.remove_handle(curl)
-            self._running -= 1
             self._recycle(curl)
 
     def close(self) -> None:
@@ -454,7 +451,7 @@ class CurlGrpc:
             ret, running = multi.socket_action(fd, events)
             if ret != pycurl.E_CALL_MULTI_PERFORM:
                 break
-        if running < self._running:
+        if running < len(self._calls):  # some ended: collect them
             self._collect(multi)
 
     def _collect(self, multi: pycurl.CurlMulti) -> None:
@@ -470,7 +467,6 @@ class CurlGrpc:
     def _complete(self, multi: pycurl.CurlMulti, curl: pycurl.Curl, errno: int, message: str) -> None:
         call = self._calls.pop(curl, None)
         multi.remove_handle(curl)
-        self._running -= 1
         try:
             if call is not None:
                 call._finished(errno, message)

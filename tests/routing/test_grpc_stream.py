@@ -289,6 +289,8 @@ class _H2Replica(asyncio.Protocol):
                     self.conn.reset_stream(sid, h2.errors.ErrorCodes.REFUSED_STREAM)
                 elif self.mode == "goaway":
                     self.conn.close_connection(last_stream_id=0)
+                elif self.mode == "http-503":  # a proxy's answer: no gRPC status at all
+                    self.conn.send_headers(sid, [(b":status", b"503")], end_stream=True)
                 elif self.mode == "odd-status":
                     self.conn.send_headers(sid, [(b":status", b"200"), (b"content-type", b"application/grpc")])
                     self.conn.send_headers(sid, [(b"grpc-status", b"\xb2")], end_stream=True)  # isdigit(), not int()
@@ -301,6 +303,7 @@ class _H2Replica(asyncio.Protocol):
         ("refuse", grpc.StatusCode.UNAVAILABLE),  # curl sends it again (rewinding the body), then gives up
         ("goaway", grpc.StatusCode.UNAVAILABLE),
         ("odd-status", grpc.StatusCode.UNKNOWN),
+        ("http-503", grpc.StatusCode.UNAVAILABLE),  # gRPC's mapping of HTTP statuses
     ],
 )
 async def test_what_a_replica_does_only_in_races_still_ends_the_call(client: CurlGrpc, mode: str, code) -> None:
@@ -388,3 +391,20 @@ async def test_connections_are_bounded_in_time_and_handles_in_number(
     calls = [_call(client, _target(replica), _req(f"burst-{i}", max_tokens=1)) for i in range(12)]
     await asyncio.gather(*(_frames(c) for c in calls))
     assert len(client._idle) == 4
+
+
+async def test_an_answer_that_cannot_be_read_ends_its_call(
+    client: CurlGrpc, replica: Proc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever goes wrong reading an answer (here: the reader itself fails), the call ends, INTERNAL, and its
+    handle goes back to the pool: a call that never ends would hold its request forever."""
+
+    def broken(self: StreamCall, errno: int, message: str) -> None:
+        raise RuntimeError("unreadable")
+
+    monkeypatch.setattr(StreamCall, "_finished", broken)
+    call = _call(client, _target(replica), _req("broken", max_tokens=1), timeout_s=10)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await asyncio.wait_for(_frames(call), 10)  # the frame that came is read, then the error
+    assert e.value.code() == grpc.StatusCode.INTERNAL and "unreadable" in e.value.details()
+    assert not client._calls and client._idle
