@@ -42,7 +42,7 @@ def run(config: RouterConfig) -> None:
             timeout_graceful_shutdown=config.graceful_shutdown_timeout_s,
         ),
         READY_MARKER,
-        freeze_heap=True,
+        tune_gc=True,
     )
     run_server(server)
 
