@@ -593,13 +593,7 @@ def aggregate(target: Target, load: Load, conns: int, windows: list[Window]) -> 
 def run_target(target: Target, backend_pids: list[int], gen: LoadGen, args: argparse.Namespace, run: Run) -> None:
     """Probe each load once, then measure it at every concurrency; loads the target cannot serve are skipped."""
     run.commands[f"{target.section}/{target.name}"] = target.command
-    for load in target.loads:
-        try:
-            answer = probe(target.base_url, load)
-        except Unavailable as e:
-            note(run, target.section, f"{target.name} {load.name}", str(e))
-            continue
-        run.probes[f"{target.section}/{target.name}/{load.name}"] = answer.get("usage") or answer.get("meta_info")
+    for load in probe_loads(target, run):
         for conns in args.connections:
             leg = measure(target, load, conns, backend_pids, gen, args)
             run.legs.append(leg)
@@ -714,9 +708,11 @@ def summarize_stacks(raw: str, top: int) -> dict[str, Any]:
 # ---- launchers ------------------------------------------------------------------------------------------------
 
 
-def psrl_argv(args: argparse.Namespace, module: str) -> list[str]:
-    if args.router_src and module == "psrl.router":
-        return [sys.executable, "-c", _RUN_FROM_SRC, str(Path(args.router_src).resolve()), module]
+def psrl_argv(args: argparse.Namespace, module: str, src: str | None = None) -> list[str]:
+    """How to start one of our modules: the installed code, or the router from --router-src (or `src`)."""
+    src = src or (args.router_src if module == "psrl.router" else None)
+    if src:
+        return [sys.executable, "-c", _RUN_FROM_SRC, str(Path(src).resolve()), module]
     return [sys.executable, "-m", module]
 
 
@@ -776,10 +772,11 @@ def launch_router(
 def router_targets(args: argparse.Namespace, section: str, urls: list[str]) -> list[tuple[str, list[str] | str, int]]:
     """(name, argv or the reason it cannot run, port) for every router of a section."""
     out: list[tuple[str, list[str] | str, int]] = []
-    port = free_port()
-    ours = [*psrl_argv(args, "psrl.router"), "--host", HOST, "--port", str(port), "--worker-urls", *urls]
-    ours += ["--policy", "round_robin"] + (["--connection-mode", "http"] if section == "http" else [])
-    out.append((f"psrl-router-{section}", ours, port))
+    for suffix, src in [("", None), *([("-b", args.ab_src)] if args.ab_src else [])]:
+        port = free_port()
+        ours = [*psrl_argv(args, "psrl.router", src), "--host", HOST, "--port", str(port), "--worker-urls", *urls]
+        ours += ["--policy", "round_robin"] + (["--connection-mode", "http"] if section == "http" else [])
+        out.append((f"psrl-router-{section}{suffix}", ours, port))
 
     smg = find_tool("smg")
     port = free_port()
@@ -812,22 +809,110 @@ def run_routers(
     args: argparse.Namespace,
     run: Run,
 ) -> None:
+    routers: list[tuple[str, list[str], int]] = []
     for name, argv, port in router_targets(args, section, urls):
         if isinstance(argv, str):
             note(run, section, name, argv)
+        else:
+            routers.append((name, argv, port))
+    if args.interleave:
+        interleaved(procs, section, routers, len(urls), loads, backend_pids, gen, args, run)
+        return
+    for name, argv, port in routers:
+        started = start_target(procs, section, name, argv, port, len(urls), loads, args, run)
+        if started is None:
             continue
-        ours = name.startswith("psrl")
-        print(f"[{section}] {name}: {' '.join(argv)}", flush=True)
+        target, proc = started
         try:
-            proc = launch_router(procs, name, argv, port, loads[0], args.ready_timeout, len(urls) if ours else 0)
-        except Unavailable as e:
-            note(run, section, name, str(e))
-            continue
-        try:
-            target = Target(section, name, f"http://{HOST}:{port}", proc.pid, argv, loads)
             run_target(target, backend_pids, gen, args, run)
         finally:
             procs.stop(proc)
+
+
+def start_target(
+    procs: Procs,
+    section: str,
+    name: str,
+    argv: list[str],
+    port: int,
+    workers: int,
+    loads: list[Load],
+    args: argparse.Namespace,
+    run: Run,
+) -> tuple[Target, subprocess.Popen[bytes]] | None:
+    """Launch one router and wait until it serves; None (noted) if it cannot."""
+    print(f"[{section}] {name}: {' '.join(argv)}", flush=True)
+    expect = workers if name.startswith("psrl") else 0
+    try:
+        proc = launch_router(procs, name, argv, port, loads[0], args.ready_timeout, expect)
+    except Unavailable as e:
+        note(run, section, name, str(e))
+        return None
+    return Target(section, name, f"http://{HOST}:{port}", proc.pid, argv, loads), proc
+
+
+def interleaved(
+    procs: Procs,
+    section: str,
+    routers: list[tuple[str, list[str], int]],
+    workers: int,
+    loads: list[Load],
+    backend_pids: list[int],
+    gen: LoadGen,
+    args: argparse.Namespace,
+    run: Run,
+) -> None:
+    """--interleave: --repeat rounds; each round starts every router in turn (the order reversed every other
+    round) and measures one window of each load at each concurrency. A drift of the machine over the run then
+    reaches every router alike, which matters when the figures to compare differ by a few percent."""
+    windows: dict[tuple[str, str, int], list[Window]] = {}
+    served: dict[str, list[Load]] = {}  # the loads each router answered in the first round
+    for round_no in range(args.repeat):
+        order = routers if round_no % 2 == 0 else routers[::-1]
+        for name, argv, port in order:
+            if round_no and name not in served:
+                continue  # it did not start in the first round
+            started = start_target(procs, section, name, argv, port, workers, loads, args, run)
+            if started is None:
+                continue
+            target, proc = started
+            try:
+                if name not in served:
+                    run.commands[f"{section}/{name}"] = argv
+                    served[name] = probe_loads(target, run)
+                for load in served[name]:
+                    for conns in args.connections:
+                        if args.warmup > 0:
+                            gen.run(target.base_url, load, conns, args.warmup, args.timeout)
+                        wait_quiet(target.router_pid, backend_pids, args)
+                        window = measure_window(target, load, conns, backend_pids, gen, args)
+                        windows.setdefault((name, load.name, conns), []).append(window)
+                        print(f"  round {round_no + 1}: {name} {load.name} @{conns}: {window.router_us_per_req} us/req")
+                if args.profile and round_no == args.repeat - 1 and name.startswith("psrl"):
+                    for load in served[name]:
+                        key = f"{section}/{name}/{load.name}"
+                        run.profiles[key] = profile(target, load, max(args.connections), gen, args)
+            finally:
+                procs.stop(proc)
+    for (name, load_name, conns), measured in windows.items():
+        target = Target(section, name, "", None, [], [])
+        leg = aggregate(target, next(x for x in loads if x.name == load_name), conns, measured)
+        run.legs.append(leg)
+        print(f"  {format_row(leg)}", flush=True)
+
+
+def probe_loads(target: Target, run: Run) -> list[Load]:
+    """The loads the target answers (its answers recorded); the others are noted and skipped."""
+    served = []
+    for load in target.loads:
+        try:
+            answer = probe(target.base_url, load)
+        except Unavailable as e:
+            note(run, target.section, f"{target.name} {load.name}", str(e))
+            continue
+        run.probes[f"{target.section}/{target.name}/{load.name}"] = answer.get("usage") or answer.get("meta_info")
+        served.append(load)
+    return served
 
 
 def http_section(procs: Procs, gen: LoadGen, args: argparse.Namespace, run: Run) -> None:
@@ -933,8 +1018,25 @@ def print_report(run: Run, gen: LoadGen, args: argparse.Namespace) -> None:
         print(format_row(leg))
     for skip in run.skips:
         print(f"not available: {skip.section}/{skip.target}: {skip.reason}")
+    for line in ab_ratios(run.legs):
+        print(line)
     for key, prof in run.profiles.items():
         print_profile(key, prof)
+
+
+def ab_ratios(legs: list[LegResult]) -> list[str]:
+    """--ab-src: the b tree's CPU per request over the a tree's, per section, load and concurrency."""
+    a = {(x.section, x.load, x.conns): x for x in legs if x.target == f"psrl-router-{x.section}"}
+    lines = []
+    for leg in legs:
+        base = a.get((leg.section, leg.load, leg.conns))
+        if leg.target.endswith("-b") and base and base.router_us_per_req and leg.router_us_per_req:
+            ratio = leg.router_us_per_req / base.router_us_per_req
+            lines.append(
+                f"b/a {leg.section} {leg.load} @{leg.conns}: {leg.router_us_per_req:.0f} / "
+                f"{base.router_us_per_req:.0f} us/req = {ratio:.2f}"
+            )
+    return lines
 
 
 def print_profile(key: str, prof: dict[str, Any]) -> None:
@@ -951,9 +1053,9 @@ def print_profile(key: str, prof: dict[str, Any]) -> None:
             print(f"    {share:5.1f}%  {frame}")
 
 
-def router_source(args: argparse.Namespace) -> dict[str, Any]:
+def router_source(src: str | None) -> dict[str, Any]:
     """Which router code ran: a digest of psrl/router/**/*.py (others edit it while benches run) and git state."""
-    root = Path(args.router_src).resolve() if args.router_src else REPO
+    root = Path(src).resolve() if src else REPO
     digest = hashlib.sha256()
     for path in sorted((root / "psrl" / "router").rglob("*.py")):
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
@@ -1034,6 +1136,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="run psrl.router from this source tree (e.g. a `git archive` of another commit), not the installed one",
     )
+    p.add_argument(
+        "--ab-src",
+        default=None,
+        metavar="DIR",
+        help="also run psrl.router from this source tree (legs named psrl-router-<section>-b), and print b/a ratios",
+    )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="--repeat rounds, each starting every router in turn for one window per leg (for A/B comparisons)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.duration, args.warmup, args.profile_duration = min(args.duration, 2.0), min(args.warmup, 0.5), 4.0
@@ -1072,7 +1185,9 @@ def main(argv: list[str] | None = None) -> None:
     run = Run()
     with _tmp_dir() as tmp, Procs(args.out_dir / "logs" / args.stamp) as procs:
         gen = pick_loadgen(args.loadgen, tmp)
-        env = {**environment(gen), "router_source": router_source(args)}
+        env = {**environment(gen), "router_source": router_source(args.router_src)}
+        if args.ab_src:
+            env["router_source_b"] = router_source(args.ab_src)
         try:
             if "http" in args.sections:
                 http_section(procs, gen, args, run)
