@@ -7,6 +7,7 @@ Bodies are forwarded as received, so the router adds no JSON re-serialisation; p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -71,10 +72,16 @@ class HttpWorkers:
     def _headers(headers: Mapping[str, str]) -> dict[str, str]:
         return {k: v for k, v in headers.items() if k in _FORWARDED_HEADERS}
 
+    def _within_timeout(self) -> contextlib.AbstractAsyncContextManager[object]:
+        """The request timeout, if there is one (with none, `asyncio.timeout(None)` would only cost CPU)."""
+        if self._request_timeout_s is None:
+            return contextlib.nullcontext()
+        return asyncio.timeout(self._request_timeout_s)
+
     async def forward(self, worker: Worker, path: str, body: bytes, headers: Mapping[str, str]) -> HttpResponse:
         host, port = worker.host_port
         try:
-            async with asyncio.timeout(self._request_timeout_s):
+            async with self._within_timeout():
                 return await self._fast.post(host, port, path, body, self._headers(headers))
         except (ConnectionError, TimeoutError) as e:
             raise self._error(worker, e) from e
@@ -85,7 +92,7 @@ class HttpWorkers:
         """Open the upstream stream (errors before the first byte raise here) and return its byte iterator."""
         host, port = worker.host_port
         try:
-            async with asyncio.timeout(self._request_timeout_s):
+            async with self._within_timeout():
                 head, chunks = await self._fast.post_stream(host, port, path, body, self._headers(headers))
         except (ConnectionError, TimeoutError) as e:
             raise self._error(worker, e) from e

@@ -31,15 +31,15 @@ class HttpResponse:
     body: bytes = b""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pending:
-    """The response being read on one connection."""
+    """The response being read on one connection: a stream's body chunks are queued as they come, a whole
+    response's body is collected until `done`."""
 
-    stream: bool
     head: asyncio.Future
-    chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
+    chunks: asyncio.Queue | None = None  # a stream
     body: list[bytes] = field(default_factory=list)
-    done: asyncio.Future | None = None
+    done: asyncio.Future | None = None  # a whole response
 
 
 class _Connection(asyncio.Protocol):
@@ -91,7 +91,7 @@ class _Connection(asyncio.Protocol):
         p = self._pending
         if p is None:
             return
-        if p.stream:
+        if p.chunks is not None:
             p.chunks.put_nowait(body)
         else:
             p.body.append(body)
@@ -101,7 +101,7 @@ class _Connection(asyncio.Protocol):
         self._headers = {}
         if p is None:
             return
-        if p.stream:
+        if p.chunks is not None:
             p.chunks.put_nowait(_EOF)
         elif p.done is not None and not p.done.done():
             p.done.set_result(b"".join(p.body))
@@ -120,13 +120,16 @@ class _Connection(asyncio.Protocol):
             p.head.set_exception(exc)
         if p.done is not None and not p.done.done():
             p.done.set_exception(exc)
-        if p.stream:
+        if p.chunks is not None:
             p.chunks.put_nowait(exc)
 
     def send(self, head: bytes, body: bytes, stream: bool) -> _Pending:
         assert self._transport is not None and self._pending is None
         loop = asyncio.get_running_loop()
-        pending = _Pending(stream=stream, head=loop.create_future(), done=None if stream else loop.create_future())
+        if stream:
+            pending = _Pending(loop.create_future(), chunks=asyncio.Queue())
+        else:  # no queue: a whole response's body is only collected
+            pending = _Pending(loop.create_future(), done=loop.create_future())
         self._pending = pending
         self._got_bytes = False
         self._transport.writelines((head, body))
@@ -229,12 +232,14 @@ class HttpClient:
         self, host: str, port: int, path: str, body: bytes, headers: dict[str, str]
     ) -> tuple[HttpResponse, AsyncIterator[bytes]]:
         conn, pending, resp = await self._send(host, port, path, body, headers, stream=True)
+        queue = pending.chunks
+        assert queue is not None
 
         async def chunks() -> AsyncIterator[bytes]:
             finished = False
             try:
                 while True:
-                    item = await pending.chunks.get()
+                    item = await queue.get()
                     if item is _EOF:
                         finished = True
                         return
