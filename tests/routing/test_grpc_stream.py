@@ -244,6 +244,23 @@ async def test_a_replica_that_dies_mid_stream_is_unavailable(client: CurlGrpc) -
         listener.close()
 
 
+async def test_calls_start_on_the_next_turn_and_one_cancelled_before_it_never_does(
+    client: CurlGrpc, replica: Proc
+) -> None:
+    """curl starts the calls of one loop turn together on the next (its 0 ms timer): nothing is sent before,
+    and a call cancelled in the same turn is never sent, while the others of that turn are."""
+    await _frames(_call(client, _target(replica), _req("warm", max_tokens=1)))  # the connection is up
+    kept = _call(client, _target(replica), _req("kept", max_tokens=2), timeout_s=60)
+    dropped = _call(client, _target(replica), _req("dropped", stream=True, max_tokens=1500), timeout_s=60)
+    assert kept._offset == dropped._offset == 0  # not started in the turn that made them
+    assert dropped.cancel() and dropped.done()
+    assert (await _frames(kept))[-1].complete.finish_reason == "length"
+    assert dropped._offset == 0  # never sent
+    assert await asyncio.to_thread(replica_busy, replica.url) == 0
+    with pytest.raises(asyncio.CancelledError):
+        await dropped.read()
+
+
 @pytest.mark.parametrize(
     "scenario",
     [
@@ -252,6 +269,7 @@ async def test_a_replica_that_dies_mid_stream_is_unavailable(client: CurlGrpc) -
         test_refusal_has_grpc_aio_code_and_details,
         test_cancel_aborts_the_replicas_request,
         test_deadline_is_deadline_exceeded,
+        test_calls_start_on_the_next_turn_and_one_cancelled_before_it_never_does,
     ],
 )
 def test_the_same_on_uvloop(scenario: Callable[[CurlGrpc, Proc], Awaitable[None]], replica: Proc) -> None:
