@@ -1,20 +1,23 @@
-"""The uvicorn HTTP protocol both servers run: httptools' parser, plus bounds on what one connection can hold.
+"""The bounds on what one connection to our HTTP servers can hold, and the uvicorn protocol that applies them.
 
 - A request head must arrive whole within `header_timeout_s` of the connection opening (or of its first byte,
   on a kept-alive connection); a connection that never sends one is closed.
 - A body is counted as it arrives: a Content-Length over `max_body_bytes` is refused before any of it is
   read, a chunked body as soon as it passes the limit (413).
-- A body that stalls (no bytes for `body_timeout_s` while the app waits for them) is refused (408).
-- Framing errors get the server's JSON error (400 `invalid_http_request`) instead of uvicorn's text/plain.
+- A body that stalls (no bytes for `body_timeout_s` while the server waits for them) is refused (408).
+- Framing errors get the server's JSON error (400 `invalid_http_request`) instead of a text/plain one.
 
 Nothing here runs once the request is read: a long generation or a stream is never cut. Idle kept-alive
-connections stay bounded by uvicorn's `timeout_keep_alive`.
+connections stay bounded by the keep-alive timeout.
 
 The timeouts (these and the keep-alive one) are deadlines, not timers armed and cancelled per request: arming
 one only records when it is due, and each connection keeps a single loop timer, set for the earliest deadline.
 When it fires, what is due runs and it is set again for what is left. A request costs no timer operations:
 a loop timer armed and cancelled per timeout (4 a request, the keep-alive one included) cost about 10 us of
 CPU a request, a third of what uvicorn's own HTTP handling costs.
+
+`ConnectionGuard` holds that part, shared by both of our server protocols: `GuardedHttpToolsProtocol` here
+(uvicorn's httptools protocol, for ASGI apps: the SessionRouter) and `psrl.serving.http1` (the router's).
 """
 
 from __future__ import annotations
@@ -45,27 +48,26 @@ _DUE_S = 0.001
 RenderError = Callable[[str, str], bytes]
 
 
-class GuardedHttpToolsProtocol(HttpToolsProtocol):
-    """One connection: uvicorn's httptools protocol with the limits above."""
+class ConnectionGuard:
+    """The limits of one connection, for a protocol that sets `loop`, `transport`, `server_state` and
+    `client`, and implements the hooks below.
 
-    def __init__(
-        self,
-        config: Config,
-        server_state: ServerState,
-        app_state: dict[str, Any],
-        _loop: asyncio.AbstractEventLoop | None = None,
-        *,
-        limits: HttpLimits,
-        render_error: RenderError,
-    ) -> None:
-        super().__init__(config, server_state, app_state, _loop)
+    The protocol calls `_guard_begin` when a request head begins, `_guard_head_done` when it is whole (a false
+    answer: refused), `_guard_body` for each body part (the same), and `_guard_end` once the body is whole."""
+
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
+    server_state: ServerState
+    client: tuple[str, int] | None
+
+    def _init_guard(self, limits: HttpLimits, render_error: RenderError) -> None:
         self.limits = limits
         self.render_error = render_error
         # Deadlines (loop time) of what is awaited; None: not awaited. `_timer` fires at `_timer_at`, no later
         # than the earliest of them (see the module's docstring).
         self._head_deadline: float | None = None  # the request head being received
         self._body_deadline: float | None = None  # the next bytes of the request body
-        self._idle_deadline: float | None = None  # uvicorn's keep-alive: the next request
+        self._idle_deadline: float | None = None  # keep-alive: the next request
         self._timer: TimerHandle | None = None
         self._timer_at = 0.0
         self._linger_timer: TimerHandle | None = None
@@ -74,27 +76,57 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._rejected = False  # answered with an error: the connection only drains and closes
         self._deferred_error: tuple[int, str, str] | None = None  # to answer once the earlier request is answered
 
-    # ---- connection ------------------------------------------------------------------------------------
+    # ---- what the protocol implements ------------------------------------------------------------------
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._arm_head_timer()
+    def _idle(self) -> bool:
+        """No request is being received past its head, or answered."""
+        raise NotImplementedError
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_timers()
-        self._idle_deadline = None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if self._linger_timer is not None:
-            self._linger_timer.cancel()
-            self._linger_timer = None
-        super().connection_lost(exc)
+    def _reject(self, status: int, code: str, message: str) -> None:
+        """Answer the request being received with an error and end the connection (see `_answer_error`)."""
+        raise NotImplementedError
 
-    def data_received(self, data: bytes) -> None:
-        if self._rejected:
-            return  # the rest of an upload we already answered: dropped
-        super().data_received(data)
+    def _on_body_timeout(self) -> None:
+        raise NotImplementedError
+
+    def _on_idle_timeout(self) -> None:
+        raise NotImplementedError
+
+    def _resume_reading(self) -> None:
+        raise NotImplementedError
+
+    # ---- the request being received --------------------------------------------------------------------
+
+    def _guard_begin(self) -> None:
+        self._head_started = True
+        self._body_bytes = 0
+        if self._head_deadline is None:
+            self._arm_head_timer()
+
+    def _guard_head_done(self, declared_length: int | None) -> bool:
+        self._head_deadline = None
+        self._head_started = False
+        limit = self.limits.max_body_bytes
+        if declared_length is not None and declared_length > limit:
+            self._reject(413, "payload_too_large", f"request body is {declared_length} bytes; the limit is {limit}")
+            return False
+        self._arm_body_timer()
+        return True
+
+    def _guard_body(self, size: int) -> bool:
+        self._body_bytes += size
+        limit = self.limits.max_body_bytes
+        if self._body_bytes > limit:
+            self._reject(413, "payload_too_large", f"request body is over the limit of {limit} bytes")
+            return False
+        self._arm_body_timer()  # the timeout bounds a silence, not the whole upload
+        return True
+
+    def _guard_end(self) -> None:
+        self._body_deadline = None
+
+    def _guard_stray_bytes(self) -> None:
+        """After bytes were parsed: bytes that began no request (stray line breaks) restart the wait for one."""
         if (
             self._head_deadline is None
             and self._idle_deadline is None
@@ -102,65 +134,27 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             and not self._rejected
             and not self.transport.is_closing()
         ):
-            self._arm_head_timer()  # bytes that began no request (stray line breaks) restart the wait for one
-
-    def send_400_response(self, msg: str) -> None:
-        # uvicorn calls this on a parser error; answer it in the server's JSON shape.
-        self._reject(400, "invalid_http_request", "malformed HTTP request (the parser rejected it)")
-
-    # ---- parser callbacks ------------------------------------------------------------------------------
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self._head_started = True
-        self._body_bytes = 0
-        if self._head_deadline is None:
             self._arm_head_timer()
 
-    def on_headers_complete(self) -> None:
-        self._cancel_head_timer()
-        self._head_started = False
-        declared = self._declared_length()
-        limit = self.limits.max_body_bytes
-        if declared is not None and declared > limit:
-            self._reject(413, "payload_too_large", f"request body is {declared} bytes; the limit is {limit}")
-            return
-        super().on_headers_complete()
-        self._arm_body_timer()
-
-    def on_body(self, body: bytes) -> None:
-        if self._rejected:
-            return
-        self._body_bytes += len(body)
-        limit = self.limits.max_body_bytes
-        if self._body_bytes > limit:
-            self._reject(413, "payload_too_large", f"request body is over the limit of {limit} bytes")
-            return
-        super().on_body(body)
-        self._arm_body_timer()  # the timeout bounds a silence, not the whole upload
-
-    def on_message_complete(self) -> None:
-        if self._rejected:
-            return
-        self._cancel_body_timer()
-        super().on_message_complete()
+    def _guard_lost(self) -> None:
+        self._head_deadline = self._body_deadline = self._idle_deadline = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
 
     # ---- timers ----------------------------------------------------------------------------------------
-
-    def _idle(self) -> bool:
-        return self.cycle is None or self.cycle.response_complete
 
     def _arm_head_timer(self) -> None:
         self._head_deadline = self._due(self.limits.header_timeout_s)
 
-    def _cancel_head_timer(self) -> None:
-        self._head_deadline = None
-
     def _arm_body_timer(self) -> None:
         self._body_deadline = self._due(self.limits.body_timeout_s)
 
-    def _cancel_body_timer(self) -> None:
-        self._body_deadline = None
+    def _arm_idle_timer(self, timeout: float) -> None:
+        self._idle_deadline = self._due(timeout)
 
     def _cancel_timers(self) -> None:
         self._head_deadline = None
@@ -205,16 +199,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 self._on_body_timeout()
             else:
                 self._idle_deadline = None
-                self.timeout_keep_alive_handler()
+                self._on_idle_timeout()
         at = min(at for at, _ in pending)
         if self._timer is None or at < self._timer_at:
             self._schedule(at)
-
-    # uvicorn's keep-alive timeout, as a deadline: uvicorn arms it once a response is complete and clears it
-    # when bytes arrive (or the connection is lost).
-
-    def _unset_keepalive_if_required(self) -> None:
-        self._idle_deadline = None
 
     def _on_head_timeout(self) -> None:
         if self.transport.is_closing():
@@ -227,16 +215,87 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         else:
             self.transport.close()  # nothing was asked: nothing to answer
 
-    def _on_body_timeout(self) -> None:
-        if self.transport.is_closing():
-            return
-        if self.flow.read_paused:
-            self._arm_body_timer()  # the app has not taken what arrived yet: the client is not stalling
-            return
+    def _body_stalled(self) -> None:
         t = self.limits.body_timeout_s
         self._reject(408, "request_timeout", f"the request body stalled: no data for {t:g} s")
 
     # ---- ending a connection with an error ---------------------------------------------------------------
+
+    def _answer_error(self, status: int, code: str, message: str) -> None:
+        """Write the error, then read (and drop) what the client still sends for a while before closing."""
+        logger.info("%s: %s %s: %s", self.client, status, code, message)
+        body = self.render_error(code, message)
+        head = [STATUS_LINE[status]]
+        for name, value in self.server_state.default_headers:
+            head += [name, b": ", value, b"\r\n"]
+        head += [
+            b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body),
+            b"x-smg-error-code: " + code.encode("ascii") + b"\r\n",
+            b"connection: close\r\n\r\n",
+        ]
+        self.transport.write(b"".join(head) + body)
+        self._resume_reading()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()  # the answer is complete: the client reads it, then closes
+        self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
+
+
+class GuardedHttpToolsProtocol(ConnectionGuard, HttpToolsProtocol):
+    """One connection: uvicorn's httptools protocol with the limits above."""
+
+    def __init__(
+        self,
+        config: Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+        *,
+        limits: HttpLimits,
+        render_error: RenderError,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self._init_guard(limits, render_error)
+
+    # ---- connection ------------------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._guard_lost()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._rejected:
+            return  # the rest of an upload we already answered: dropped
+        super().data_received(data)
+        self._guard_stray_bytes()
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn calls this on a parser error; answer it in the server's JSON shape.
+        self._reject(400, "invalid_http_request", "malformed HTTP request (the parser rejected it)")
+
+    # ---- parser callbacks ------------------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._guard_begin()
+
+    def on_headers_complete(self) -> None:
+        if self._guard_head_done(self._declared_length()):
+            super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._rejected and self._guard_body(len(body)):
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._rejected:
+            return
+        self._guard_end()
+        super().on_message_complete()
 
     def _declared_length(self) -> int | None:
         for name, value in self.headers:
@@ -246,6 +305,31 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 except ValueError:
                     return None  # the parser validates it; nothing to compare
         return None
+
+    # ---- the guard's hooks -----------------------------------------------------------------------------
+
+    def _idle(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _resume_reading(self) -> None:
+        self.flow.resume_reading()
+
+    def _on_idle_timeout(self) -> None:
+        self.timeout_keep_alive_handler()
+
+    # uvicorn's keep-alive timeout, as a deadline: uvicorn arms it once a response is complete and clears it
+    # when bytes arrive (or the connection is lost).
+
+    def _unset_keepalive_if_required(self) -> None:
+        self._idle_deadline = None
+
+    def _on_body_timeout(self) -> None:
+        if self.transport.is_closing():
+            return
+        if self.flow.read_paused:
+            self._arm_body_timer()  # the app has not taken what arrived yet: the client is not stalling
+            return
+        self._body_stalled()
 
     def _reject(self, status: int, code: str, message: str) -> None:
         """Answer the request being received with an error and end the connection. If the app already runs
@@ -278,35 +362,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 cycle, app = self.pipeline.pop()
                 self._start_asgi_task(cycle, app)
             else:
-                self._idle_deadline = self._due(self.timeout_keep_alive)
+                self._arm_idle_timer(self.timeout_keep_alive)
             return
         if not self.transport.is_closing():
             self._answer_error(*self._deferred_error)
         self._deferred_error = None
-
-    def _answer_error(self, status: int, code: str, message: str) -> None:
-        logger.info("%s: %s %s: %s", self.client, status, code, message)
-        self._write_error(status, code, message)
-        self._linger()
-
-    def _write_error(self, status: int, code: str, message: str) -> None:
-        body = self.render_error(code, message)
-        head = [STATUS_LINE[status]]
-        for name, value in self.server_state.default_headers:
-            head += [name, b": ", value, b"\r\n"]
-        head += [
-            b"content-type: application/json\r\n",
-            b"content-length: %d\r\n" % len(body),
-            b"x-smg-error-code: " + code.encode("ascii") + b"\r\n",
-            b"connection: close\r\n\r\n",
-        ]
-        self.transport.write(b"".join(head) + body)
-
-    def _linger(self) -> None:
-        self.flow.resume_reading()
-        if self.transport.can_write_eof():
-            self.transport.write_eof()  # the answer is complete: the client reads it, then closes
-        self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
 
 
 def guarded_protocol(limits: HttpLimits, render_error: RenderError) -> type[asyncio.Protocol]:
