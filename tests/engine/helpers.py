@@ -101,7 +101,9 @@ def apply(state: CacheState, events: list[KvEvent]) -> None:
 
 
 async def wait_idle(aengine: AsyncEngine) -> None:
-    await until(lambda: not aengine.engine.has_unfinished_requests(), "the engine has no work left")
+    """The engine has no work left and its step thread has handed out the last outputs: the engine's own
+    count of unfinished requests drops within a step, before that step's outputs reach their streams."""
+    await until(lambda: step_thread_parked(aengine), "the engine has no work left")
 
 
 def step_thread_parked(aengine: AsyncEngine) -> bool:
