@@ -13,7 +13,6 @@ from typing import Any
 
 from psrl.psmanager.client import PSManagerClient
 from psrl.router import coordinator_api
-from psrl.router.asgi import AnyResponse, App, Request, Response, StreamingResponse, json_response
 from psrl.router.background import BackgroundLoops
 from psrl.router.config import RouterConfig
 from psrl.router.dispatch import Dispatcher
@@ -34,7 +33,9 @@ from psrl.router.routing_loop import RoutingLoop
 from psrl.router.selector import AdmissionHook, PassThroughAdmission, Selector
 from psrl.router.tito_bridge import TitoBridge
 from psrl.router.tokenizers import TokenizerStore
+from psrl.router.web import App, json_response
 from psrl.router.worker_client import WorkerClients
+from psrl.serving.http1 import AnyResponse, Request, Response, StreamingResponse
 
 logger = logging.getLogger("psrl.router")
 
@@ -221,7 +222,7 @@ class RouterApp:
             raise Unauthorized("missing or wrong bearer token")
 
     async def _body(self, request: Request) -> dict[str, Any]:
-        return P.parse_json_body(await request.body(), self.config.max_payload_bytes)
+        return P.parse_json_body(request.body, self.config.max_payload_bytes)
 
     # ---- simple endpoints ----------------------------------------------------------------------------
 
@@ -258,7 +259,7 @@ class RouterApp:
         task.add_done_callback(self._tasks.discard)
 
     async def _coordinator_body(self, request: Request) -> Any:
-        body = P.parse_json(await request.body(), self.config.max_payload_bytes)
+        body = P.parse_json(request.body, self.config.max_payload_bytes)
         if body is None:
             raise BadRequest("request body is empty")
         return body

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from psrl.router.asgi import Response
+from psrl.serving.http1 import Response
 
 ERROR_CODE_HEADER = "x-smg-error-code"
 

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from psrl.router.asgi import AnyResponse, Response, StreamingResponse
 from psrl.router.errors import RouterError, WorkerInternalError, WorkerStreamFailed, WorkerTimeout, WorkerUnavailable
 from psrl.router.http_client import HttpClient, HttpConnectionError, HttpResponse
 from psrl.router.pipeline.respond import SSE_DONE, instance_headers, sse
 from psrl.router.registry import Worker
+from psrl.serving.http1 import AnyResponse, Response, StreamingResponse
 
 if TYPE_CHECKING:
     from psrl.router.selector import Ticket

@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from psrl.router.asgi import Response
 from psrl.router.errors import BadRequest
 from psrl.router.pipeline import stages
 from psrl.router.pipeline.runner import Pipeline, RequestContext, Stage
+from psrl.serving.http1 import Response
 
 
 def _ctx() -> RequestContext:

@@ -17,6 +17,7 @@ from _procs import Proc, free_port, wait_for
 
 from psrl.router.app import RouterApp
 from psrl.router.config import parse_args
+from psrl.router.server import uvicorn_config
 from psrl.router.tito_bridge import RENDER_THREADS
 from psrl.tokenizer import Tokenizer
 
@@ -62,8 +63,7 @@ def router_app(replica: Proc, held: HeldRender) -> Iterator[tuple[str, RouterApp
     """(its URL, the router) served in this process."""
     port = free_port()
     router = RouterApp(parse_args(["--port", str(port), "--worker-urls", replica.url]))
-    config = uvicorn.Config(router.app, host="127.0.0.1", port=port, log_config=None, access_log=False)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(router))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"

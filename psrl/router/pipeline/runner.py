@@ -14,10 +14,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from psrl.router.asgi import AnyResponse, Request
 from psrl.router.errors import RouterError
 from psrl.router.metadata import NO_ROUTING_META, RoutingMeta
 from psrl.router.pipeline.context import Generation, GenerationInput
+from psrl.serving.http1 import AnyResponse, Request
 
 if TYPE_CHECKING:
     from psrl.router.dispatch import Rollout

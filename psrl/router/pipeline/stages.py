@@ -23,7 +23,6 @@ from typing import Any
 
 from psrl import apis as A
 from psrl.apis import ApiShapeError
-from psrl.router.asgi import StreamingResponse, json_response
 from psrl.router.config import ConnectionMode, RouterConfig
 from psrl.router.dispatch import Dispatcher, Rollout
 from psrl.router.errors import BadRequest, ModelNotFound, WorkerUnavailable
@@ -51,6 +50,8 @@ from psrl.router.policies.base import Policy, SelectionRequest
 from psrl.router.registry import WorkerRegistry
 from psrl.router.tito_bridge import TitoBridge
 from psrl.router.tokenizers import TokenizerStore
+from psrl.router.web import json_response
+from psrl.serving.http1 import StreamingResponse
 from psrl.serving.json_body import may_hold_surrogates
 from psrl.tokenizer import Tokenizer
 
@@ -116,7 +117,7 @@ def resolve_model(registry: WorkerRegistry, model: str | None) -> str:
 
 
 async def _read_body(s: Services, ctx: RequestContext) -> None:
-    ctx.raw = await ctx.http.body()
+    ctx.raw = ctx.http.body
     ctx.body = P.parse_json_body(ctx.raw, s.config.max_payload_bytes)
     ctx.meta = parse_routing_meta(ctx.http.headers)
     ctx.created = int(time.time())
