@@ -10,8 +10,8 @@ What a connection does:
 - Pipelined requests are answered in order: one that arrives while another is answered waits, and reading
   pauses until its turn.
 - A `Response` goes out in one write (head and body); a `StreamingResponse` in chunked encoding, each chunk as
-  its iterator yields it, waiting while the transport's buffer is over its high-water mark (a slow reader holds
-  back the stream, not the process's memory).
+  its iterator yields it. Both wait while the transport's buffer is over its high-water mark: a client that does
+  not read holds back its stream, or its next pipelined answer, not the process's memory.
 - A client that leaves cancels its request's task: the handler's (or the stream's) `finally` blocks run at once
   (releasing the instance, cancelling the upstream call), and the cancellation ends there, quietly.
 - A handler that raises costs its request a 500 (or, once the answer began, the connection), never the process.
@@ -305,9 +305,12 @@ class Http1Protocol(ConnectionGuard, asyncio.Protocol):
             response = await self.handler(request)
             if isinstance(response, StreamingResponse):
                 complete = await self._stream(request, response)
-            elif not request.left:
-                self._write_whole(request, response)
-                complete = True
+            else:
+                if self._writable is not None:
+                    await self._writable  # the client has not read the answers before: hold this one back
+                if not request.left:
+                    self._write_whole(request, response)
+                    complete = True
         except asyncio.CancelledError:
             if not request.left:
                 raise  # the server is cancelling it

@@ -39,7 +39,12 @@ async def serving(routes: dict[str, Handler]) -> AsyncIterator[int]:
         app.route("POST", path, handler)
         app.route("GET", path, handler)
     config = uvicorn.Config(
-        app, host="127.0.0.1", port=0, http=http1_protocol(app.handle, HttpLimits(), _render_error), log_config=None
+        app,
+        host="127.0.0.1",
+        port=0,
+        http=http1_protocol(app.handle, HttpLimits(), _render_error),
+        log_config=None,
+        timeout_graceful_shutdown=2,  # a failed test's open connection does not hold the server up
     )
     server = uvicorn.Server(config)
     sock = socket.socket()
@@ -179,6 +184,38 @@ def test_a_stream_is_chunked_and_waits_for_a_slow_reader() -> None:
             status, headers, body = await client.response()
             assert (status, headers["transfer-encoding"], headers["x-kind"]) == (200, "chunked", "stream")
             assert body == chunk * 400
+
+    asyncio.run(run())
+
+
+def test_pipelined_answers_wait_for_a_client_that_does_not_read() -> None:
+    """Answers queue in the client's socket, then the transport's buffer; past its high-water mark the next
+    pipelined request waits (its handler does not run), so the unread answers stay bounded."""
+    ran = [0]
+    body = b"y" * (1 << 20)
+
+    async def big(request: Request) -> AnyResponse:
+        ran[0] += 1
+        return Response(body)
+
+    async def run() -> None:
+        async with serving({"/big": big}) as port:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+            sock.connect(("127.0.0.1", port))
+            reader, writer = await asyncio.open_connection(sock=sock)
+            client = Client(reader, writer)
+            try:
+                writer.transport.pause_reading()
+                await client.send(b"".join(post("/big") for _ in range(40)))  # 40 MiB of answers asked for
+                await asyncio.sleep(0.5)
+                assert 0 < ran[0] < 20, ran[0]
+                writer.transport.resume_reading()
+                for _ in range(40):
+                    assert (await client.response())[2] == body
+                assert ran[0] == 40
+            finally:
+                client.close()
 
     asyncio.run(run())
 
