@@ -36,6 +36,7 @@ from typing import Any, cast
 
 import httptools
 from uvicorn.config import Config
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 from uvicorn.protocols.utils import get_remote_addr
 from uvicorn.server import ServerState
@@ -159,11 +160,10 @@ class Http1Protocol(ConnectionGuard, asyncio.Protocol):
         # Answer the first of pipelined requests even when the client closed its side after sending them all.
         self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
         self.transport: asyncio.Transport = cast(asyncio.Transport, None)
+        self.flow: FlowControl = cast(FlowControl, None)  # reading paused while requests wait; writes wait
         self.client: tuple[str, int] | None = None
         self._current: Request | None = None  # being answered
         self._pipeline: deque[Request] = deque()  # received whole, waiting for their turn
-        self._reading_paused = False
-        self._writable: asyncio.Future[None] | None = None  # while the transport's buffer is over its high mark
         self._continue_owed = False  # a 100 Continue to send once the answer in progress is complete
         self._closing = False  # graceful shutdown: no request after the one being answered
         # The request being received.
@@ -180,6 +180,7 @@ class Http1Protocol(ConnectionGuard, asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
+        self.flow = FlowControl(self.transport)
         self.client = get_remote_addr(self.transport)
         self.server_state.connections.add(self)  # type: ignore[arg-type]  # uvicorn's set takes any protocol
         self._arm_head_timer()
@@ -193,8 +194,7 @@ class Http1Protocol(ConnectionGuard, asyncio.Protocol):
             request.left = True
             if request.task is not None:
                 request.task.cancel()
-        if self._writable is not None and not self._writable.done():
-            self._writable.set_result(None)
+        self.flow.resume_writing()  # a write waiting for the buffer to drain goes on (to a closed transport)
 
     def data_received(self, data: bytes) -> None:
         if self._rejected:
@@ -203,12 +203,12 @@ class Http1Protocol(ConnectionGuard, asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._refuse_upgrade()
+            self._on_upgrade()
         except httptools.HttpParserError:
             self._reject(400, "invalid_http_request", "malformed HTTP request (the parser rejected it)")
         self._guard_stray_bytes()
 
-    def _refuse_upgrade(self) -> None:
+    def _on_upgrade(self) -> None:
         """A request asked to switch protocols. Whole, it is answered as plain HTTP/1.1 (the Upgrade header
         ignored) and the connection closes after it: what the client sends next is not HTTP/1.1."""
         last = self._pipeline[-1] if self._pipeline else self._current
@@ -220,13 +220,10 @@ class Http1Protocol(ConnectionGuard, asyncio.Protocol):
         self._cancel_timers()
 
     def pause_writing(self) -> None:
-        if self._writable is None:
-            self._writable = self.loop.create_future()
+        self.flow.pause_writing()
 
     def resume_writing(self) -> None:
-        writable, self._writable = self._writable, None
-        if writable is not None and not writable.done():
-            writable.set_result(None)
+        self.flow.resume_writing()
 
     def shutdown(self) -> None:
         """uvicorn's graceful shutdown: an idle connection closes now, a busy one once its answer is out."""
@@ -289,7 +286,7 @@ class Http1Protocol(ConnectionGuard, asyncio.Protocol):
             self._start(request)
         elif not self._closing:
             self._pipeline.append(request)
-            self._pause_reading()
+            self.flow.pause_reading()
 
     # ---- answering -------------------------------------------------------------------------------------
 
@@ -306,8 +303,8 @@ class Http1Protocol(ConnectionGuard, asyncio.Protocol):
             if isinstance(response, StreamingResponse):
                 complete = await self._stream(request, response)
             else:
-                if self._writable is not None:
-                    await self._writable  # the client has not read the answers before: hold this one back
+                if self.flow.write_paused:
+                    await self.flow.drain()  # the client has not read the answers before: hold this one back
                 if not request.left:
                     self._write_whole(request, response)
                     complete = True
@@ -371,8 +368,8 @@ class Http1Protocol(ConnectionGuard, asyncio.Protocol):
                 if request.left:
                     return False
                 if chunk:
-                    if self._writable is not None:
-                        await self._writable
+                    if self.flow.write_paused:
+                        await self.flow.drain()
                     write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
             if request.left:
                 return False
@@ -401,7 +398,7 @@ class Http1Protocol(ConnectionGuard, asyncio.Protocol):
             self._start(self._pipeline.popleft())
             if self._pipeline:
                 return
-        self._resume_reading()
+        self.flow.resume_reading()
         if self._current is None:
             self._arm_idle_timer(self.keep_alive_s)
 
@@ -409,28 +406,6 @@ class Http1Protocol(ConnectionGuard, asyncio.Protocol):
 
     def _idle(self) -> bool:
         return self._current is None and self._incoming is None
-
-    def _pause_reading(self) -> None:
-        if not self._reading_paused:
-            self._reading_paused = True
-            self.transport.pause_reading()
-
-    def _resume_reading(self) -> None:
-        if self._reading_paused:
-            self._reading_paused = False
-            self.transport.resume_reading()
-
-    def _on_idle_timeout(self) -> None:
-        if not self.transport.is_closing():
-            self.transport.close()
-
-    def _on_body_timeout(self) -> None:
-        if self.transport.is_closing():
-            return
-        if self._reading_paused:
-            self._arm_body_timer()  # we stopped reading (a request waits its turn): the client is not stalling
-            return
-        self._body_stalled()
 
     def _reject(self, status: int, code: str, message: str) -> None:
         """Answer the request being received with an error and end the connection; one being answered (an

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from uvicorn.config import Config
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
@@ -49,14 +50,16 @@ RenderError = Callable[[str, str], bytes]
 
 
 class ConnectionGuard:
-    """The limits of one connection, for a protocol that sets `loop`, `transport`, `server_state` and
-    `client`, and implements the hooks below.
+    """The limits of one connection, for a protocol that sets `loop`, `transport`, `flow` (uvicorn's flow
+    control: reading is paused while the server is not taking what arrives), `server_state` and `client`, and
+    implements the hooks below.
 
     The protocol calls `_guard_begin` when a request head begins, `_guard_head_done` when it is whole (a false
     answer: refused), `_guard_body` for each body part (the same), and `_guard_end` once the body is whole."""
 
     loop: asyncio.AbstractEventLoop
     transport: asyncio.Transport
+    flow: FlowControl
     server_state: ServerState
     client: tuple[str, int] | None
 
@@ -86,14 +89,10 @@ class ConnectionGuard:
         """Answer the request being received with an error and end the connection (see `_answer_error`)."""
         raise NotImplementedError
 
-    def _on_body_timeout(self) -> None:
-        raise NotImplementedError
-
     def _on_idle_timeout(self) -> None:
-        raise NotImplementedError
-
-    def _resume_reading(self) -> None:
-        raise NotImplementedError
+        """Keep-alive: no next request came in time."""
+        if not self.transport.is_closing():
+            self.transport.close()
 
     # ---- the request being received --------------------------------------------------------------------
 
@@ -215,7 +214,12 @@ class ConnectionGuard:
         else:
             self.transport.close()  # nothing was asked: nothing to answer
 
-    def _body_stalled(self) -> None:
+    def _on_body_timeout(self) -> None:
+        if self.transport.is_closing():
+            return
+        if self.flow.read_paused:
+            self._arm_body_timer()  # the server has not taken what arrived yet: the client is not stalling
+            return
         t = self.limits.body_timeout_s
         self._reject(408, "request_timeout", f"the request body stalled: no data for {t:g} s")
 
@@ -235,7 +239,7 @@ class ConnectionGuard:
             b"connection: close\r\n\r\n",
         ]
         self.transport.write(b"".join(head) + body)
-        self._resume_reading()
+        self.flow.resume_reading()
         if self.transport.can_write_eof():
             self.transport.write_eof()  # the answer is complete: the client reads it, then closes
         self._linger_timer = self.loop.call_later(LINGER_S, self.transport.close)
@@ -311,25 +315,11 @@ class GuardedHttpToolsProtocol(ConnectionGuard, HttpToolsProtocol):
     def _idle(self) -> bool:
         return self.cycle is None or self.cycle.response_complete
 
-    def _resume_reading(self) -> None:
-        self.flow.resume_reading()
-
-    def _on_idle_timeout(self) -> None:
-        self.timeout_keep_alive_handler()
-
     # uvicorn's keep-alive timeout, as a deadline: uvicorn arms it once a response is complete and clears it
     # when bytes arrive (or the connection is lost).
 
     def _unset_keepalive_if_required(self) -> None:
         self._idle_deadline = None
-
-    def _on_body_timeout(self) -> None:
-        if self.transport.is_closing():
-            return
-        if self.flow.read_paused:
-            self._arm_body_timer()  # the app has not taken what arrived yet: the client is not stalling
-            return
-        self._body_stalled()
 
     def _reject(self, status: int, code: str, message: str) -> None:
         """Answer the request being received with an error and end the connection. If the app already runs
