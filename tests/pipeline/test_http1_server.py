@@ -34,6 +34,13 @@ async def _no_lifespan() -> AsyncIterator[None]:
 @contextlib.asynccontextmanager
 async def serving(routes: dict[str, Handler]) -> AsyncIterator[int]:
     """The routes (POST and GET) served on 127.0.0.1 in this loop; yields the port."""
+    async with serving_with(routes) as (port, _):
+        yield port
+
+
+@contextlib.asynccontextmanager
+async def serving_with(routes: dict[str, Handler]) -> AsyncIterator[tuple[int, uvicorn.Server]]:
+    """`serving`, with uvicorn's server too."""
     app = App(_no_lifespan)
     for path, handler in routes.items():
         app.route("POST", path, handler)
@@ -53,7 +60,7 @@ async def serving(routes: dict[str, Handler]) -> AsyncIterator[int]:
     while not server.started:
         await asyncio.sleep(0.01)
     try:
-        yield sock.getsockname()[1]
+        yield sock.getsockname()[1], server
     finally:
         server.should_exit = True
         await serve
@@ -153,6 +160,50 @@ def test_expect_100_continue_is_answered_before_the_body() -> None:
             assert await asyncio.wait_for(client.reader.readuntil(b"\r\n\r\n"), 5) == b"HTTP/1.1 100 Continue\r\n\r\n"
             await client.send(b"{}")
             assert (await client.response())[::2] == (200, b"{}")
+
+    asyncio.run(run())
+
+
+def test_a_100_continue_behind_a_pipelined_request_waits_for_its_answer() -> None:
+    """Sent while the request before is answered, a 100 Continue would land inside that answer."""
+    gate = asyncio.Event()
+
+    async def held(request: Request) -> AnyResponse:
+        await gate.wait()
+        return Response(b"first")
+
+    async def run() -> None:
+        async with serving({"/held": held, "/echo": echo}) as port, connect(port) as client:
+            head = b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n"
+            await client.send(post("/held") + head)
+            await asyncio.sleep(0.1)
+            gate.set()
+            assert (await client.response())[::2] == (200, b"first")  # whole, nothing inside it
+            assert await asyncio.wait_for(client.reader.readuntil(b"\r\n\r\n"), 5) == b"HTTP/1.1 100 Continue\r\n\r\n"
+            await client.send(b"{}")
+            assert (await client.response())[::2] == (200, b"{}")
+
+    asyncio.run(run())
+
+
+def test_a_graceful_shutdown_lets_a_busy_connection_finish_its_answer() -> None:
+    gate, entered = asyncio.Event(), asyncio.Event()
+
+    async def held(request: Request) -> AnyResponse:
+        entered.set()
+        await gate.wait()
+        return Response(b"done")
+
+    async def run() -> None:
+        async with serving_with({"/held": held}) as (port, server), connect(port) as client:
+            await client.send(post("/held"))
+            await asyncio.wait_for(entered.wait(), 5)
+            server.should_exit = True  # as SIGTERM does
+            await asyncio.sleep(0.2)
+            gate.set()
+            status, headers, body = await client.response()
+            assert (status, body, headers["connection"]) == (200, b"done", "close")
+            assert await client.reader.read() == b""
 
     asyncio.run(run())
 
@@ -293,6 +344,41 @@ def test_a_handler_that_raises_costs_its_request_a_500_only(errors: Callable[[],
 
     asyncio.run(run())
     assert len(errors()) == 2
+
+
+def test_a_stream_that_fails_midway_cuts_its_connection_only(errors: Callable[[], list[str]]) -> None:
+    """Its head is out, so no 500 can follow: the client sees the chunked body end without its last chunk."""
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b"data: x\n\n"
+        raise RuntimeError("upstream broke")
+
+    async def stream(request: Request) -> AnyResponse:
+        return StreamingResponse(chunks())
+
+    async def run() -> None:
+        async with serving({"/stream": stream, "/echo": echo}) as port:
+            async with connect(port) as client:
+                await client.send(post("/stream"))
+                raw = await client.reader.read()
+                assert raw.startswith(b"HTTP/1.1 200 ") and b"data: x" in raw and not raw.endswith(b"0\r\n\r\n")
+            async with connect(port) as client:
+                await client.send(post("/echo"))
+                assert (await client.response())[0] == 200
+
+    asyncio.run(run())
+    assert len(errors()) == 1
+
+
+def test_a_request_target_the_parser_passes_but_no_url_parses_is_400() -> None:
+    async def run() -> None:
+        async with serving({"/echo": echo}) as port, connect(port) as client:
+            await client.send(b"GET http://h:99999/echo HTTP/1.1\r\nHost: t\r\n\r\n")
+            status, headers, body = await client.response()
+            assert (status, headers["x-smg-error-code"]) == (400, "invalid_http_request")
+            assert "request target" in json.loads(body)["error"]["message"]
+
+    asyncio.run(run())
 
 
 def test_framing_of_head_204_and_unrouted_answers() -> None:
