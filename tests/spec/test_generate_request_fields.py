@@ -6,6 +6,9 @@ wire and parsed as JSON there, so every generation request was refused.
 
 from __future__ import annotations
 
+from dataclasses import fields
+
+import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2
 
 from psrl.router.pipeline.context import GenerationInput, SamplingSpec
@@ -34,3 +37,41 @@ def test_set_optionals_are_present() -> None:
     # temperature 0 and logprobs 0 are values, not "unset": they must be present
     assert _present_optionals(wire.sampling_params) == {"temperature", "max_tokens", "logprobs", "seed"}
     assert wire.sampling_params.temperature == 0.0 and wire.sampling_params.logprobs == 0
+
+
+def test_every_sampling_setting_reaches_the_wire() -> None:
+    """The request is built in place, field by field: none of SamplingSpec's settings may be left behind."""
+    want = {
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 7,
+        "min_p": 0.1,
+        "max_tokens": 9,
+        "min_tokens": 2,
+        "stop": ["a", "bc"],
+        "include_stop_str_in_output": True,
+        "stop_token_ids": [5, 6],
+        "ignore_eos": True,
+        "skip_special_tokens": False,
+        "logprobs": 3,
+        "seed": 11,
+        "repetition_penalty": 1.5,
+        "presence_penalty": 0.25,
+        "frequency_penalty": -0.5,
+        "n": 4,
+    }
+    assert set(want) == {f.name for f in fields(SamplingSpec)}  # every setting is set and checked
+    sampling = SamplingSpec(**want)  # type: ignore[arg-type]
+    gen = GenerationInput(request_id="r", prompt_ids=[3, 1, 2], sampling=sampling, stream=True)
+    wire = vllm_engine_pb2.GenerateRequest.FromString(gen.to_proto(dp_rank=2).SerializeToString())
+    assert (wire.request_id, list(wire.tokenized.input_ids), wire.stream, wire.data_parallel_rank) == (
+        "r",
+        [3, 1, 2],
+        True,
+        2,
+    )
+    p = wire.sampling_params
+    got = {name: getattr(p, name) for name in want}
+    got["stop"], got["stop_token_ids"] = list(p.stop), list(p.stop_token_ids)
+    for name, value in want.items():  # approx: the proto's floats are 32-bit
+        assert got[name] == (pytest.approx(value) if isinstance(value, float) else value), name

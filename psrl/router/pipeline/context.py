@@ -36,21 +36,28 @@ class SamplingSpec:
     n: int = 1  # choices sampled from the one prompt
 
     def to_proto(self) -> vllm_engine_pb2.SamplingParams:
-        p = vllm_engine_pb2.SamplingParams(
-            top_p=self.top_p,
-            top_k=max(self.top_k, 0),
-            min_p=self.min_p,
-            min_tokens=self.min_tokens,
-            stop=self.stop,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens,
-            repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            n=self.n,
-        )
+        p = vllm_engine_pb2.SamplingParams()
+        self.write_to(p)
+        return p
+
+    def write_to(self, p: vllm_engine_pb2.SamplingParams) -> None:
+        """Set these settings on `p` in place: a request's own submessage, which a message passed to the
+        GenerateRequest constructor would have been copied into."""
+        p.top_p = self.top_p
+        p.top_k = max(self.top_k, 0)
+        p.min_p = self.min_p
+        p.min_tokens = self.min_tokens
+        if self.stop:
+            p.stop.extend(self.stop)
+        p.include_stop_str_in_output = self.include_stop_str_in_output
+        if self.stop_token_ids:
+            p.stop_token_ids.extend(self.stop_token_ids)
+        p.ignore_eos = self.ignore_eos
+        p.skip_special_tokens = self.skip_special_tokens
+        p.repetition_penalty = self.repetition_penalty
+        p.presence_penalty = self.presence_penalty
+        p.frequency_penalty = self.frequency_penalty
+        p.n = self.n
         if self.temperature is not None:
             p.temperature = self.temperature
         if self.max_tokens is not None:
@@ -59,7 +66,6 @@ class SamplingSpec:
             p.logprobs = self.logprobs
         if self.seed is not None:
             p.seed = self.seed
-        return p
 
 
 @dataclass(frozen=True)
@@ -109,14 +115,14 @@ class GenerationInput:
     routed_experts_start: int | None = None
 
     def to_proto(self, dp_rank: int) -> vllm_engine_pb2.GenerateRequest:
+        # Built in place: submessages given to the constructor are copied in, which took twice the CPU.
+        request = vllm_engine_pb2.GenerateRequest(
+            request_id=self.request_id, stream=self.stream, data_parallel_rank=dp_rank
+        )
+        request.sampling_params.SetInParent()  # present even if every setting were proto3's default
         try:
-            request = vllm_engine_pb2.GenerateRequest(
-                request_id=self.request_id,
-                tokenized=vllm_engine_pb2.TokenizedInput(input_ids=self.prompt_ids),
-                sampling_params=self.sampling.to_proto(),
-                stream=self.stream,
-                data_parallel_rank=dp_rank,
-            )
+            request.tokenized.input_ids.extend(self.prompt_ids)
+            self.sampling.write_to(request.sampling_params)
         except TypeError as e:  # JSON true/false in a token-id list: array('I') took them as 1/0, protobuf does not
             raise BadRequest(f"token ids must be integers, not booleans: {e}") from None
         # proto3 `optional`: assigning "" marks the field present, and vLLM's servicer then parses it as JSON.

@@ -143,11 +143,10 @@ class ConstrainedSampling(SamplingSpec):
         constrained.structural_tag = json.dumps(structural_tag, ensure_ascii=False)
         return constrained
 
-    def to_proto(self) -> vllm_engine_pb2.SamplingParams:
-        params = super().to_proto()
+    def write_to(self, p: vllm_engine_pb2.SamplingParams) -> None:
+        super().write_to(p)
         if self.structural_tag:
-            params.structural_tag = self.structural_tag
-        return params
+            p.structural_tag = self.structural_tag
 
 
 def refusal_of(choice: ToolChoice, error: BadRequest) -> BadRequest | None:
