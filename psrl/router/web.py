@@ -11,6 +11,8 @@ from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
+import msgspec
+
 from psrl.serving.http1 import AnyResponse, Handler, Request, Response
 
 logger = logging.getLogger(__name__)
@@ -20,7 +22,21 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
-def json_response(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+_ENCODE = msgspec.json.Encoder().encode
+
+
+def json_response(
+    payload: Any, status: int = 200, headers: dict[str, str] | None = None, *, finite: bool = False
+) -> Response:
+    """`payload` as a JSON answer. With `finite` (the caller knows every float in it is finite, or that it has
+    none), msgspec writes it, in a tenth of json.dumps' time. Not otherwise: msgspec writes an infinite or NaN
+    float as null, where json.dumps writes `-Infinity`, as vLLM's server does for a -inf logprob. A string
+    msgspec cannot write (a lone surrogate a request echoed) goes to json.dumps too."""
+    if finite:
+        try:
+            return Response(_ENCODE(payload), status, "application/json", headers)
+        except ValueError:  # UnicodeEncodeError
+            pass
     return Response(json.dumps(payload), status, "application/json", headers)
 
 

@@ -339,8 +339,11 @@ def respond_chat(shape: ChatShape | None) -> StageFn:
         out = R.chat_completion(
             request_id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices, gens=gens
         )
-        body = out if shape is None else shape.from_chat(out, ctx.body)
-        ctx.response = json_response(body, headers=R.instance_headers(ctx.headers_ticket))
+        headers = R.instance_headers(ctx.headers_ticket)
+        if shape is None:  # floats only in logprobs (another API's shape may echo the client's)
+            ctx.response = json_response(out, headers=headers, finite=not chat.logprobs)
+        else:
+            ctx.response = json_response(shape.from_chat(out, ctx.body), headers=headers)
 
     return respond
 
@@ -369,7 +372,8 @@ async def respond_completion(s: Services, ctx: RequestContext) -> None:
     out = R.completion(
         request_id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices, prompts=ctx.results
     )
-    ctx.response = json_response(out, headers=R.instance_headers(ctx.headers_ticket))
+    finite = req.sampling.logprobs is None  # floats only in logprobs
+    ctx.response = json_response(out, headers=R.instance_headers(ctx.headers_ticket), finite=finite)
 
 
 async def respond_generate(s: Services, ctx: RequestContext) -> None:
@@ -393,7 +397,8 @@ async def respond_generate(s: Services, ctx: RequestContext) -> None:
             outputs.append(out)
     # SGLang's shape: one object per prompt; n > 1 makes a flat list of every prompt's n samples, prompt-major.
     payload: Any = outputs if req.batched or req.sampling.n > 1 else outputs[0]
-    ctx.response = json_response(payload, headers=R.instance_headers(ctx.headers_ticket))
+    headers = R.instance_headers(ctx.headers_ticket)
+    ctx.response = json_response(payload, headers=headers, finite=not req.return_logprob)  # floats: logprobs only
 
 
 # ---- each endpoint kind's stages -------------------------------------------------------------------------
