@@ -162,7 +162,9 @@ class StreamCall(Generic[M]):
         task that is cancelled cancels it, and the others then wait on a new one."""
         waiter = self._waiter
         if waiter is None or waiter.done():
-            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            loop = self._owner._loop  # set when the call was made; asyncio.get_running_loop() makes a getpid() call
+            assert loop is not None
+            waiter = self._waiter = loop.create_future()
         try:
             await waiter
         except asyncio.CancelledError:
