@@ -54,11 +54,12 @@ async def sse_stream(
     include_usage: bool = False,
     continuous_usage: bool = False,
     prompt_tokens: int = 0,
+    logprobs: bool = False,
 ) -> AsyncIterator[bytes]:
     """The SSE events of a started generation, then `[DONE]`. As OpenAI and vLLM send them: the usage comes
     only with `include_usage`, as a last event of its own with `choices: []`; with `continuous_usage` (vLLM's
     `continuous_usage_stats`) every event also carries its choice's usage so far (`prompt_tokens`: the
-    prompt's length)."""
+    prompt's length). `logprobs`: whether the choices carry them, the only floats an event can hold."""
     generated = [0] * len(choices)  # tokens each choice has produced so far
 
     def event(index: int, ch: dict[str, Any]) -> bytes:
@@ -70,7 +71,7 @@ async def sse_stream(
                 "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion,
             }
-        return R.sse(payload)
+        return R.sse(payload, finite=not logprobs)
 
     try:
         for i, writer in enumerate(choices):
@@ -89,7 +90,8 @@ async def sse_stream(
                 for ch in writer.finish(d.finished):
                     yield event(d.index, ch)
         if include_usage:
-            yield R.sse({**envelope, "choices": [], "usage": R.usage([finished[i] for i in sorted(finished)])})
+            usage = R.usage([finished[i] for i in sorted(finished)])
+            yield R.sse({**envelope, "choices": [], "usage": usage}, finite=True)
     except RouterError as e:  # headers are sent: the error travels as an SSE event
         logger.warning("stream %s failed: %s", envelope.get("id"), e.message)
         yield R.sse(e.body())
@@ -360,6 +362,7 @@ def chat_events(
         include_usage=chat.include_usage,
         continuous_usage=chat.continuous_usage,
         prompt_tokens=prompt_tokens,
+        logprobs=chat.logprobs,
     )
 
 
@@ -383,6 +386,7 @@ def completion_events(
         include_usage=req.include_usage,
         continuous_usage=req.continuous_usage,
         prompt_tokens=prompt_tokens,
+        logprobs=req.sampling.logprobs is not None,
     )
 
 
