@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from psrl.router.pipeline.context import Generation
 from psrl.router.pipeline.tool_calls import ParsedOutput, StreamPiece
-from psrl.router.web import encode_json
 from psrl.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -48,12 +48,12 @@ def sum_usage(prompts: Sequence[Sequence[Generation]]) -> dict[str, Any]:
     }
 
 
-def sse(payload: dict[str, Any], *, finite: bool = False) -> bytes:
-    """One SSE event (`finite`: see `encode_json`)."""
-    return b"data: %b\n\n" % encode_json(payload, finite=finite)
+def sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
 
 
-SSE_DONE = b"data: [DONE]\n\n"
+SSE_DONE = sse("[DONE]")
 
 
 # ---- chat ----------------------------------------------------------------------------------------------

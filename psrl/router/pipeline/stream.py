@@ -54,12 +54,11 @@ async def sse_stream(
     include_usage: bool = False,
     continuous_usage: bool = False,
     prompt_tokens: int = 0,
-    logprobs: bool = False,
 ) -> AsyncIterator[bytes]:
     """The SSE events of a started generation, then `[DONE]`. As OpenAI and vLLM send them: the usage comes
     only with `include_usage`, as a last event of its own with `choices: []`; with `continuous_usage` (vLLM's
     `continuous_usage_stats`) every event also carries its choice's usage so far (`prompt_tokens`: the
-    prompt's length). `logprobs`: whether the choices carry them, the only floats an event can hold."""
+    prompt's length)."""
     generated = [0] * len(choices)  # tokens each choice has produced so far
 
     def event(index: int, ch: dict[str, Any]) -> bytes:
@@ -71,7 +70,7 @@ async def sse_stream(
                 "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion,
             }
-        return R.sse(payload, finite=not logprobs)
+        return R.sse(payload)
 
     try:
         for i, writer in enumerate(choices):
@@ -90,8 +89,7 @@ async def sse_stream(
                 for ch in writer.finish(d.finished):
                     yield event(d.index, ch)
         if include_usage:
-            usage = R.usage([finished[i] for i in sorted(finished)])
-            yield R.sse({**envelope, "choices": [], "usage": usage}, finite=True)
+            yield R.sse({**envelope, "choices": [], "usage": R.usage([finished[i] for i in sorted(finished)])})
     except RouterError as e:  # headers are sent: the error travels as an SSE event
         logger.warning("stream %s failed: %s", envelope.get("id"), e.message)
         yield R.sse(e.body())
@@ -362,7 +360,6 @@ def chat_events(
         include_usage=chat.include_usage,
         continuous_usage=chat.continuous_usage,
         prompt_tokens=prompt_tokens,
-        logprobs=chat.logprobs,
     )
 
 
@@ -386,7 +383,6 @@ def completion_events(
         include_usage=req.include_usage,
         continuous_usage=req.continuous_usage,
         prompt_tokens=prompt_tokens,
-        logprobs=req.sampling.logprobs is not None,
     )
 
 
