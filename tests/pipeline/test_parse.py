@@ -6,8 +6,14 @@ import pytest
 
 from psrl.router.errors import BadRequest, PayloadTooLarge
 from psrl.router.pipeline import parse as P
+from psrl.router.pipeline.context import GenerationInput, SamplingSpec
 
 MSG = [{"role": "user", "content": "hi"}]
+
+
+def _wire(sampling: SamplingSpec):
+    """The sampling settings as a Generate request carries them."""
+    return GenerationInput("r", [1], sampling).to_proto(0).sampling_params
 
 
 def test_chat_defaults_and_extras() -> None:
@@ -31,7 +37,7 @@ def test_chat_defaults_and_extras() -> None:
     s = chat.sampling
     assert (s.max_tokens, s.logprobs, s.top_k, s.stop_token_ids, s.seed) == (5, 3, 4, [7], 1)
     assert chat.include_usage and chat.stream
-    proto = s.to_proto()
+    proto = _wire(s)
     assert proto.max_tokens == 5 and proto.logprobs == 3 and proto.top_k == 4 and not proto.HasField("temperature")
 
 
@@ -126,10 +132,10 @@ def test_generate_shape() -> None:
 def test_n_and_stop_strings() -> None:
     chat = P.parse_chat({"messages": [{"role": "user", "content": "hi"}], "n": 3, "stop": "x"})
     assert chat.sampling.n == 3 and chat.sampling.stop == ["x"] and not chat.sampling.include_stop_str_in_output
-    proto = chat.sampling.to_proto()
+    proto = _wire(chat.sampling)
     assert proto.n == 3 and list(proto.stop) == ["x"] and not proto.include_stop_str_in_output
     cmpl = P.parse_completion({"prompt": "a", "stop": ["x", "yz"], "include_stop_str_in_output": True})
-    assert cmpl.sampling.stop == ["x", "yz"] and cmpl.sampling.to_proto().include_stop_str_in_output
+    assert cmpl.sampling.stop == ["x", "yz"] and _wire(cmpl.sampling).include_stop_str_in_output
     for bad in ({"n": 0}, {"stop": ["x", ""]}, {"stop": 3}):
         with pytest.raises(BadRequest):
             P.parse_completion({"prompt": "a", **bad})

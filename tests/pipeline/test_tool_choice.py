@@ -46,7 +46,7 @@ def _chat(**body: Any):
 
 
 def _constraint(chat) -> str | None:
-    params = chat.sampling.to_proto()
+    params = GenerationInput("r", [1], chat.sampling).to_proto(0).sampling_params
     kind = params.WhichOneof("constraint")
     assert kind in (None, "structural_tag")
     return params.structural_tag if kind else None

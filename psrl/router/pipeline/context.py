@@ -35,14 +35,8 @@ class SamplingSpec:
     frequency_penalty: float = 0.0
     n: int = 1  # choices sampled from the one prompt
 
-    def to_proto(self) -> vllm_engine_pb2.SamplingParams:
-        p = vllm_engine_pb2.SamplingParams()
-        self.write_to(p)
-        return p
-
     def write_to(self, p: vllm_engine_pb2.SamplingParams) -> None:
-        """Set these settings on `p` in place: a request's own submessage, which a message passed to the
-        GenerateRequest constructor would have been copied into."""
+        """Set these settings on `p`, a GenerateRequest's own submessage (GenerationInput.to_proto)."""
         p.top_p = self.top_p
         p.top_k = max(self.top_k, 0)
         p.min_p = self.min_p
