@@ -3,9 +3,17 @@ finite floats; json.dumps the rest, so a -inf logprob stays `-Infinity` (as vLLM
 
 from __future__ import annotations
 
+import asyncio
 import json
+from types import SimpleNamespace
 
+from psrl.router.pipeline import parse as P
+from psrl.router.pipeline.context import Generation, GenerationInput
+from psrl.router.pipeline.runner import RequestContext
+from psrl.router.pipeline.stages import respond_generate
+from psrl.router.registry import InstanceId
 from psrl.router.web import json_response
+from psrl.serving.http1 import Response
 
 _PAYLOAD = {
     "id": "gen-1",
@@ -41,3 +49,32 @@ def test_a_lone_surrogate_falls_back_to_json() -> None:
     payload = {"echo": "a\ud800b"}
     response = json_response(payload, finite=True)
     assert response.body == json.dumps(payload).encode()
+
+
+def _generate_answer(return_logprob: bool) -> bytes:
+    """respond_generate's body for one generation whose first token's log-prob is -inf."""
+    body = {"input_ids": [1, 2], "return_logprob": return_logprob, "sampling_params": {"detokenize": False}}
+    req = P.parse_generate(body)
+    ctx = RequestContext(http=None, route="/generate", generate=req)  # type: ignore[arg-type]
+    ctx.inputs = [GenerationInput("gen-1", [1, 2], req.sampling)]
+    gen = Generation(output_ids=[5, 6], logprobs=[float("-inf"), -0.5], finish_reason="length", prompt_tokens=2)
+    ticket = SimpleNamespace(instance=SimpleNamespace(id=InstanceId("w1", 0)), pinned_version=3)
+    ctx.rollouts = [SimpleNamespace(ticket=ticket, states=[SimpleNamespace(weight_version=3, token_versions=[3, 3])])]  # type: ignore[list-item]
+    ctx.results = [[gen]]
+    asyncio.run(respond_generate(None, ctx))  # type: ignore[arg-type]
+    assert isinstance(ctx.response, Response) and ctx.response.headers == {
+        "x-base-worker-id": "w1",
+        "x-target-dp-rank": "0",
+        "x-version-tag": "3",
+    }
+    return ctx.response.body
+
+
+def test_generate_answers_keep_a_minus_infinity_logprob() -> None:
+    """/generate asked for logprobs goes to json, which spells -inf; without them, msgspec writes the answer."""
+    with_logprobs = _generate_answer(True)
+    assert b"[-Infinity,5]" in with_logprobs.replace(b" ", b"")
+    assert json.loads(with_logprobs)["meta_info"]["output_token_logprobs"] == [[float("-inf"), 5], [-0.5, 6]]
+    without = _generate_answer(False)
+    assert b'"output_ids":[5,6]' in without  # msgspec's compact form
+    assert "output_token_logprobs" not in json.loads(without)["meta_info"]

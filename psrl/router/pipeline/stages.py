@@ -306,6 +306,12 @@ def _streaming(s: Services, ctx: RequestContext, events: AsyncIterator[bytes]) -
     return StreamingResponse(body(), media_type="text/event-stream", headers=R.instance_headers(ctx.first_ticket))
 
 
+def _answer(ctx: RequestContext, payload: Any, *, logprobs: bool) -> None:
+    """The JSON answer, naming its instance. Logprobs are the only floats a chat, completion or /generate
+    answer holds, so one without them is written by msgspec (`json_response`'s `finite`)."""
+    ctx.response = json_response(payload, headers=R.instance_headers(ctx.headers_ticket), finite=not logprobs)
+
+
 def respond_chat(shape: ChatShape | None) -> StageFn:
     async def respond(s: Services, ctx: RequestContext) -> None:
         chat, tok = ctx.chat, ctx.tokenizer
@@ -339,11 +345,10 @@ def respond_chat(shape: ChatShape | None) -> StageFn:
         out = R.chat_completion(
             request_id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices, gens=gens
         )
-        headers = R.instance_headers(ctx.headers_ticket)
-        if shape is None:  # floats only in logprobs (another API's shape may echo the client's)
-            ctx.response = json_response(out, headers=headers, finite=not chat.logprobs)
-        else:
-            ctx.response = json_response(shape.from_chat(out, ctx.body), headers=headers)
+        if shape is None:
+            _answer(ctx, out, logprobs=chat.logprobs)
+        else:  # another API's shape may echo the client's fields, floats among them
+            ctx.response = json_response(shape.from_chat(out, ctx.body), headers=R.instance_headers(ctx.headers_ticket))
 
     return respond
 
@@ -372,8 +377,7 @@ async def respond_completion(s: Services, ctx: RequestContext) -> None:
     out = R.completion(
         request_id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices, prompts=ctx.results
     )
-    finite = req.sampling.logprobs is None  # floats only in logprobs
-    ctx.response = json_response(out, headers=R.instance_headers(ctx.headers_ticket), finite=finite)
+    _answer(ctx, out, logprobs=req.sampling.logprobs is not None)
 
 
 async def respond_generate(s: Services, ctx: RequestContext) -> None:
@@ -397,8 +401,7 @@ async def respond_generate(s: Services, ctx: RequestContext) -> None:
             outputs.append(out)
     # SGLang's shape: one object per prompt; n > 1 makes a flat list of every prompt's n samples, prompt-major.
     payload: Any = outputs if req.batched or req.sampling.n > 1 else outputs[0]
-    headers = R.instance_headers(ctx.headers_ticket)
-    ctx.response = json_response(payload, headers=headers, finite=not req.return_logprob)  # floats: logprobs only
+    _answer(ctx, payload, logprobs=req.return_logprob)
 
 
 # ---- each endpoint kind's stages -------------------------------------------------------------------------
