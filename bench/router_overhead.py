@@ -99,7 +99,8 @@ class Load:
     name: str
     path: str
     body: bytes
-    expect: str  # a key the JSON answer must carry
+    expect: str  # a key the JSON answer (for a stream: its last event before [DONE]) must carry
+    tokens: int = 1  # tokens each request generates (a stream's us/token is its us/req over this)
 
 
 def chat_load(model: str, n_words: int, max_tokens: int) -> Load:
@@ -111,6 +112,20 @@ def chat_load(model: str, n_words: int, max_tokens: int) -> Load:
         "stream": False,
     }
     return Load("chat", "/v1/chat/completions", json.dumps(body).encode(), "choices")
+
+
+def stream_load(model: str, n_words: int, max_tokens: int) -> Load:
+    """Chat streamed: every one of `max_tokens` tokens (ignore_eos) is an SSE event; the usage comes last."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt_text(n_words)}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    return Load("stream", "/v1/chat/completions", json.dumps(body).encode(), "usage", max_tokens)
 
 
 def generate_load(model: str, n_ids: int) -> Load:
@@ -148,14 +163,22 @@ def probe(base_url: str, load: Load, timeout_s: float = 30.0) -> dict[str, Any]:
     """One request of the load; its JSON answer, or Unavailable with what came back."""
     status, raw = http("POST", base_url + load.path, load.body, timeout_s)
     try:
-        answer = json.loads(raw) if status == 200 else None
+        answer = json.loads(last_sse_event(raw) if raw.startswith(b"data:") else raw) if status == 200 else None
     except ValueError:
         answer = None
+    if isinstance(answer, dict) and load.tokens > 1 and answer.get("usage", {}).get("completion_tokens") != load.tokens:
+        raise Unavailable(f"probe POST {load.path}: wanted {load.tokens} tokens, usage says {answer.get('usage')}")
     if isinstance(answer, list) and len(answer) == 1:
         answer = answer[0]  # smg answers /generate with a one-element batch
     if not isinstance(answer, dict) or load.expect not in answer:
         raise Unavailable(f"probe POST {load.path} -> {status}: {raw[:300].decode(errors='replace')}")
     return answer
+
+
+def last_sse_event(raw: bytes) -> bytes:
+    """The data of a stream's last event before `[DONE]` (b"" when it did not end with one)."""
+    events = [e.removeprefix(b"data: ") for e in raw.split(b"\n\n") if e.startswith(b"data: ")]
+    return events[-2] if len(events) >= 2 and events[-1] == b"[DONE]" else b""
 
 
 def wait_until(fn: Any, timeout_s: float, proc: subprocess.Popen[bytes] | None, what: str, log: Path) -> Any:
@@ -506,6 +529,7 @@ class LegResult:
     backend_us_per_req: float
     foreign_cores: float  # the most seen in any window
     windows: list[Window]
+    tokens: int = 1  # tokens each request generated
     vs_smg: float | None = None
 
 
@@ -587,6 +611,7 @@ def aggregate(target: Target, load: Load, conns: int, windows: list[Window]) -> 
         backend_us_per_req=rep.backend_us_per_req,
         foreign_cores=max(w.foreign_cores for w in windows),
         windows=windows,
+        tokens=load.tokens,
     )
 
 
@@ -934,7 +959,12 @@ def grpc_section(procs: Procs, gen: LoadGen, args: argparse.Namespace, run: Run)
     except Unavailable as e:
         note(run, "grpc", "reference replicas", str(e))
         return
-    loads = [chat_load(model, args.prompt_words, 1), generate_load(model, args.prompt_words)]
+    by_name = {
+        "chat": chat_load(model, args.prompt_words, 1),
+        "generate": generate_load(model, args.prompt_words),
+        "stream": stream_load(model, args.prompt_words, args.stream_tokens),
+    }
+    loads = [by_name[name] for name in args.loads]
     pids = [pid for pid, _ in replicas]
     run_routers(procs, "grpc", [url for _, url in replicas], loads, pids, gen, args, run)
 
@@ -1018,6 +1048,13 @@ def print_report(run: Run, gen: LoadGen, args: argparse.Namespace) -> None:
         print(format_row(leg))
     for skip in run.skips:
         print(f"not available: {skip.section}/{skip.target}: {skip.reason}")
+    for leg in run.legs:
+        if leg.tokens > 1 and leg.router_us_per_req is not None:
+            ratio = "" if leg.vs_smg is None else f" ({leg.vs_smg:.2f} x smg)"
+            print(
+                f"per token: {leg.section} {leg.target} {leg.load} @{leg.conns}: "
+                f"{leg.router_us_per_req / leg.tokens:.1f} us/token over {leg.tokens} tokens{ratio}"
+            )
     for line in ab_ratios(run.legs):
         print(line)
     for key, prof in run.profiles.items():
@@ -1110,6 +1147,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=1.0, help="warm-up seconds before each measured window")
     p.add_argument("--connections", type=int, nargs="+", default=[64, 1])
     p.add_argument("--prompt-words", type=int, default=200)
+    p.add_argument(
+        "--loads",
+        nargs="+",
+        choices=("chat", "generate", "stream"),
+        default=["chat", "generate", "stream"],
+        help="the grpc section's loads",
+    )
+    p.add_argument("--stream-tokens", type=int, default=32, help="tokens each request of the stream load generates")
     p.add_argument("--timeout", type=float, default=10.0, help="per-request timeout of the load generator, s")
     p.add_argument("--loadgen", choices=("auto", "wrk", "python"), default="auto")
     p.add_argument("--repeat", type=int, default=3, help="measured windows per leg (median reported)")
