@@ -13,6 +13,7 @@ import httpx
 import httpx2
 import openai
 import pytest
+from _sse import sse_events
 
 from psrl.router.errors import RouterError, WorkerStreamFailed
 from psrl.router.pipeline.context import Generation, SamplingSpec
@@ -50,7 +51,7 @@ async def _frames(tok: Tokenizer, writer: ApiWriter, source: _Source) -> list[st
     logprobs = [{"token": "t", "logprob": -0.25, "bytes": None, "top_logprobs": []}]
     parser = HermesToolParser().stream()
     events = api_stream(source, StreamedText(tok, SamplingSpec()), parser, writer, lambda d: logprobs, "chatcmpl-1")
-    return [frame.decode() async for frame in events]
+    return sse_events([frame async for frame in events])
 
 
 def _payloads(frames: list[str], kind: str) -> list[dict]:
@@ -58,7 +59,7 @@ def _payloads(frames: list[str], kind: str) -> list[dict]:
 
 
 def _transport(frames: list[str], http: type) -> object:
-    body = "".join(frames).encode()
+    body = "".join(f + "\n\n" for f in frames).encode()
     return http.MockTransport(lambda _: http.Response(200, content=body, headers={"content-type": "text/event-stream"}))
 
 
@@ -113,7 +114,7 @@ async def test_text_log_probs_are_the_text_tokens_however_the_deltas_group_them(
     parser = HermesToolParser().stream()
     text = StreamedText(tok, SamplingSpec())
     events = api_stream(Grouped(ids), text, parser, ResponsesWriter(START), logprobs, "r")
-    frames = [f.decode() async for f in events]
+    frames = sse_events([f async for f in events])
     texts = _payloads(frames, "response.output_text.done")
     assert [t["text"] for t in texts] == ["\n\nAnswer.", "\nBye."]
     assert [int(lp["token"]) for t in texts for lp in t["logprobs"]] == text_ids

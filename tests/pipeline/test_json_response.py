@@ -1,5 +1,6 @@
-"""The router's JSON answers (psrl.router.web.json_response): msgspec writes those the caller knows hold only
-finite floats; json.dumps the rest, so a -inf logprob stays `-Infinity` (as vLLM's server writes it), never null."""
+"""The router's JSON answers and SSE events (psrl.router.web.encode_json): msgspec writes those the caller
+knows hold only finite floats; json the rest, so a -inf logprob stays `-Infinity` (as vLLM's server writes it),
+never null."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from types import SimpleNamespace
 
 from psrl.router.pipeline import parse as P
 from psrl.router.pipeline.context import Generation, GenerationInput
+from psrl.router.pipeline.respond import sse
 from psrl.router.pipeline.runner import RequestContext
 from psrl.router.pipeline.stages import respond_generate
 from psrl.router.registry import InstanceId
@@ -48,7 +50,7 @@ def test_a_lone_surrogate_falls_back_to_json() -> None:
     """msgspec refuses to write one (it has no UTF-8 form); json escapes it, as the answer did before."""
     payload = {"echo": "a\ud800b"}
     response = json_response(payload, finite=True)
-    assert response.body == json.dumps(payload).encode()
+    assert response.body == json.dumps(payload, separators=(",", ":")).encode()
 
 
 def _generate_answer(return_logprob: bool) -> bytes:
@@ -78,3 +80,14 @@ def test_generate_answers_keep_a_minus_infinity_logprob() -> None:
     without = _generate_answer(False)
     assert b'"output_ids":[5,6]' in without  # msgspec's compact form
     assert "output_token_logprobs" not in json.loads(without)["meta_info"]
+
+
+def test_sse_events_keep_non_finite_floats_unless_told_finite() -> None:
+    event = {"choices": [{"index": 0, "logprobs": {"content": [{"token": "a", "logprob": float("-inf")}]}}]}
+    assert (
+        sse(event) == b'data: {"choices":[{"index":0,"logprobs":{"content":[{"token":"a","logprob":-Infinity}]}}]}\n\n'
+    )
+    plain = {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"content": "caf\u00e9"}, "finish_reason": None}]}
+    line = sse(plain, finite=True)
+    assert line.startswith(b"data: ") and line.endswith(b"\n\n")
+    assert json.loads(line[len(b"data: ") :]) == plain

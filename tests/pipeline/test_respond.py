@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from _sse import sse_events
 
 from psrl import apis as A
 from psrl.router.pipeline import respond as R
@@ -93,7 +94,7 @@ async def test_a_chat_stream_of_two_choices_read_by_the_openai_client(tok: Token
     choices = [ChatChoice(i, StreamedText(tok, sampling), NoToolParser().stream(), tok, True) for i in range(2)]
     envelope = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
     frames = [f async for f in sse_stream(_Interleaved(gens), choices, envelope=envelope, include_usage=True)]
-    events = [json.loads(f[6:]) for f in (x.decode().strip() for x in frames) if f != "data: [DONE]"]
+    events = [json.loads(f[6:]) for f in sse_events(frames) if f != "data: [DONE]"]
     ends = [(c["index"], c["finish_reason"], c.get("stop_reason")) for e in events for c in e["choices"]]
     ends = [end for end in ends if end[1]]
     assert ends == [(1, "length", None), (0, "stop", "</answer>")]  # the shorter one ends first
@@ -122,7 +123,7 @@ async def test_a_completion_stream_of_two_choices(tok: Tokenizer) -> None:
     ]
     choices = [CompletionChoice(i, StreamedText(tok, sampling), tok) for i in range(2)]
     envelope = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m"}
-    frames = [f.decode() async for f in sse_stream(_Interleaved(gens), choices, envelope=envelope)]
+    frames = sse_events([f async for f in sse_stream(_Interleaved(gens), choices, envelope=envelope)])
     texts = {0: "", 1: ""}
     for frame in frames[:-1]:
         for c in json.loads(frame[6:])["choices"]:
@@ -143,10 +144,9 @@ async def test_stream_usage_comes_only_when_asked_and_per_choice_with_continuous
         choices = [
             ChatChoice(i, StreamedText(tok, SamplingSpec()), NoToolParser().stream(), tok, False) for i in (0, 1)
         ]
-        frames = [
-            f.decode().strip()
-            async for f in sse_stream(_Interleaved(gens), choices, envelope=envelope, prompt_tokens=5, **usage)
-        ]
+        frames = sse_events(
+            [f async for f in sse_stream(_Interleaved(gens), choices, envelope=envelope, prompt_tokens=5, **usage)]
+        )
         return [json.loads(f[6:]) for f in frames if f != "data: [DONE]"]
 
     assert all("usage" not in e for e in await events())
@@ -161,3 +161,23 @@ async def test_stream_usage_comes_only_when_asked_and_per_choice_with_continuous
         assert 0 <= produced <= len(gens[choice["index"]].output_ids)
         if choice["finish_reason"]:
             assert produced == len(gens[choice["index"]].output_ids)
+
+
+async def test_a_stream_writes_once_per_delta(tok: Tokenizer) -> None:
+    """The opening goes with the first token, each token in one write, the end (it comes after the last token)
+    in one with the usage and [DONE]."""
+    ids = tok.encode("one two three")
+    gen = Generation(output_ids=ids, finish_reason="length", prompt_tokens=5)
+    [choice] = [ChatChoice(0, StreamedText(tok, SamplingSpec()), NoToolParser().stream(), tok, False)]
+    envelope = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    writes = [w async for w in sse_stream(_Interleaved([gen]), [choice], envelope=envelope, include_usage=True)]
+    assert len(writes) == len(ids) + 1
+    per_write = [[json.loads(e[6:]) if e != "data: [DONE]" else None for e in sse_events([w])] for w in writes]
+    assert [c["choices"][0]["delta"] for c in per_write[0]] == [
+        {"role": "assistant", "content": ""},
+        {"content": tok.decode(ids[:1])},
+    ]
+    assert all(len(events) == 1 for events in per_write[1:-1])
+    finish, usage, done = per_write[-1]
+    assert finish["choices"][0]["finish_reason"] == "length" and usage["usage"]["completion_tokens"] == len(ids)
+    assert done is None

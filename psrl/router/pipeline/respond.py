@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from psrl.router.pipeline.context import Generation
 from psrl.router.pipeline.tool_calls import ParsedOutput, StreamPiece
+from psrl.router.web import encode_json
 from psrl.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -48,12 +48,27 @@ def sum_usage(prompts: Sequence[Sequence[Generation]]) -> dict[str, Any]:
     }
 
 
-def sse(payload: dict[str, Any] | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
+def sse(payload: dict[str, Any], *, finite: bool = False) -> bytes:
+    """One SSE event (`finite`: see `encode_json`)."""
+    return b"data: %b\n\n" % encode_json(payload, finite=finite)
 
 
-SSE_DONE = sse("[DONE]")
+class SseChunks:
+    """A chat or completion stream's events: `{**envelope, "choices": [...]}`, with `usage` last when given.
+    The envelope (id, object, created, model) is written once; each event writes only its choice, by msgspec
+    unless it carries log-probs (the only floats a chunk holds: see `encode_json`)."""
+
+    def __init__(self, envelope: dict[str, Any]) -> None:
+        self._head = b'data: %b,"choices":[' % encode_json(envelope)[:-1]
+
+    def event(self, choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> bytes:
+        body = b"" if choice is None else encode_json(choice, finite=choice.get("logprobs") is None)
+        if usage is None:
+            return b"%b%b]}\n\n" % (self._head, body)
+        return b'%b%b],"usage":%b}\n\n' % (self._head, body, encode_json(usage, finite=True))
+
+
+SSE_DONE = b"data: [DONE]\n\n"
 
 
 # ---- chat ----------------------------------------------------------------------------------------------

@@ -58,42 +58,47 @@ async def sse_stream(
     """The SSE events of a started generation, then `[DONE]`. As OpenAI and vLLM send them: the usage comes
     only with `include_usage`, as a last event of its own with `choices: []`; with `continuous_usage` (vLLM's
     `continuous_usage_stats`) every event also carries its choice's usage so far (`prompt_tokens`: the
-    prompt's length)."""
+    prompt's length).
+
+    What one delta makes goes out as one write: the opening with the first token's events (as vLLM sends its
+    first chunk with the first output), a choice's end with the next delta's events, or with the usage and
+    `[DONE]` at the end (each write costs the router a system call and the client a read)."""
+    chunks = R.SseChunks(envelope)
     generated = [0] * len(choices)  # tokens each choice has produced so far
 
     def event(index: int, ch: dict[str, Any]) -> bytes:
-        payload = {**envelope, "choices": [ch]}
-        if continuous_usage:
-            completion = generated[index]
-            payload["usage"] = {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion,
-                "total_tokens": prompt_tokens + completion,
-            }
-        return R.sse(payload)
+        if not continuous_usage:
+            return chunks.event(ch)
+        completion = generated[index]
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+        }
+        return chunks.event(ch, usage)
 
+    out = [event(i, ch) for i, writer in enumerate(choices) for ch in writer.opening()]  # not yet sent
     try:
-        for i, writer in enumerate(choices):
-            for ch in writer.opening():
-                yield event(i, ch)
         finished: dict[int, Generation] = {}  # by choice index: usage reads choice 0, as the non-streamed answer
         async for d in source.deltas():
             writer = choices[d.index]
             if d.finished is None:
                 generated[d.index] += len(d.token_ids)
-                for ch in writer.delta(d):
-                    yield event(d.index, ch)
+                out += [event(d.index, ch) for ch in writer.delta(d)]
+                if out:
+                    yield b"".join(out)
+                    out = []
             else:
                 finished[d.index] = d.finished
                 generated[d.index] = d.finished.completion_tokens
-                for ch in writer.finish(d.finished):
-                    yield event(d.index, ch)
+                out += [event(d.index, ch) for ch in writer.finish(d.finished)]
         if include_usage:
-            yield R.sse({**envelope, "choices": [], "usage": R.usage([finished[i] for i in sorted(finished)])})
+            out.append(chunks.event(None, R.usage([finished[i] for i in sorted(finished)])))
     except RouterError as e:  # headers are sent: the error travels as an SSE event
         logger.warning("stream %s failed: %s", envelope.get("id"), e.message)
-        yield R.sse(e.body())
-    yield R.SSE_DONE
+        out.append(R.sse(e.body()))
+    out.append(R.SSE_DONE)
+    yield b"".join(out)
 
 
 class ChatChoice:
@@ -243,8 +248,7 @@ async def api_stream(
         return frames
 
     try:
-        for frame in writer.start():
-            yield frame.encode()
+        yield "".join(writer.start()).encode()
         result: Generation | None = None
         async for d in source.deltas():
             if d.finished is not None:
@@ -253,20 +257,18 @@ async def api_stream(
             lps = logprobs(d)
             asked = asked or lps is not None
             frames = frames_of(parser.push(text.push(d.token_ids))) if lps is None else token_frames(d, lps)
-            for frame in frames:
-                yield frame.encode()
+            if frames:
+                yield "".join(frames).encode()  # one write per delta, as sse_stream
         assert result is not None, "a generation ends with its choice's end"
-        for frame in frames_of(parser.finish(text.finish(result))):
-            yield frame.encode()
-        for frame in writer.trailing_logprobs(pending) if pending else []:
-            yield frame.encode()
-        finish = R.chat_finish_reason(calls > 0, result.finish_reason)
-        for frame in writer.finish(finish, R.usage([result]), result.matched_stop_str):
-            yield frame.encode()
+        frames = frames_of(parser.finish(text.finish(result)))
+        frames += writer.trailing_logprobs(pending) if pending else []
+        frames += writer.finish(
+            R.chat_finish_reason(calls > 0, result.finish_reason), R.usage([result]), result.matched_stop_str
+        )
+        yield "".join(frames).encode()
     except RouterError as e:  # headers are sent: the error travels as the API's error event
         logger.warning("stream %s failed: %s", request_id, e.message)
-        for frame in writer.error(e):
-            yield frame.encode()
+        yield "".join(writer.error(e)).encode()
 
 
 class ResponsesWriter:
