@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from psrl.router.pipeline import parse as P
 from psrl.router.pipeline.context import Generation, GenerationInput
-from psrl.router.pipeline.respond import sse
+from psrl.router.pipeline.respond import SseChunks
 from psrl.router.pipeline.runner import RequestContext
 from psrl.router.pipeline.stages import respond_generate
 from psrl.router.registry import InstanceId
@@ -82,12 +82,28 @@ def test_generate_answers_keep_a_minus_infinity_logprob() -> None:
     assert "output_token_logprobs" not in json.loads(without)["meta_info"]
 
 
-def test_sse_events_keep_non_finite_floats_unless_told_finite() -> None:
-    event = {"choices": [{"index": 0, "logprobs": {"content": [{"token": "a", "logprob": float("-inf")}]}}]}
-    assert (
-        sse(event) == b'data: {"choices":[{"index":0,"logprobs":{"content":[{"token":"a","logprob":-Infinity}]}}]}\n\n'
-    )
-    plain = {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"content": "caf\u00e9"}, "finish_reason": None}]}
-    line = sse(plain, finite=True)
-    assert line.startswith(b"data: ") and line.endswith(b"\n\n")
-    assert json.loads(line[len(b"data: ") :]) == plain
+def test_stream_chunks_keep_a_minus_infinity_logprob() -> None:
+    """A chunk with log-probs goes to json (-Infinity); one without to msgspec (UTF-8), or to json when msgspec
+    cannot write it; the envelope is the same around each."""
+    chunks = SseChunks({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"})
+    scored = {
+        "index": 0,
+        "delta": {"content": "a"},
+        "logprobs": {"content": [{"token": "a", "logprob": float("-inf")}]},
+    }
+    line = chunks.event(scored)
+    assert b'"logprob":-Infinity' in line and line.endswith(b"]}\n\n")
+    assert json.loads(line[len(b"data: ") :])["choices"][0]["logprobs"]["content"][0]["logprob"] == float("-inf")
+    for content in ("caf\u00e9", "a\ud800b"):  # the second only json can write
+        plain = {"index": 0, "delta": {"content": content}, "logprobs": None, "finish_reason": None}
+        line = chunks.event(plain, {"prompt_tokens": 1})
+        assert line.startswith(b'data: {"id":"chatcmpl-1",') and line.endswith(b"\n\n")
+        assert json.loads(line[len(b"data: ") :]) == {
+            "id": "chatcmpl-1",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "m",
+            "choices": [plain],
+            "usage": {"prompt_tokens": 1},
+        }
+    assert "caf\u00e9".encode() in chunks.event({"delta": {"content": "caf\u00e9"}, "logprobs": None})

@@ -14,6 +14,7 @@ import pytest
 from _sse import sse_events
 
 from psrl import apis as A
+from psrl.router.errors import WorkerStreamFailed
 from psrl.router.pipeline import respond as R
 from psrl.router.pipeline.context import Generation, SamplingSpec
 from psrl.router.pipeline.execute import Delta
@@ -181,3 +182,21 @@ async def test_a_stream_writes_once_per_delta(tok: Tokenizer) -> None:
     finish, usage, done = per_write[-1]
     assert finish["choices"][0]["finish_reason"] == "length" and usage["usage"]["completion_tokens"] == len(ids)
     assert done is None
+
+
+async def test_a_failed_stream_ends_with_what_was_pending_the_error_and_done(tok: Tokenizer) -> None:
+    """A choice's end waits for the next write; a failure after it still sends it, then the error, then [DONE]."""
+
+    class _FailsAfterOneEnds:
+        async def deltas(self) -> AsyncIterator[Delta]:
+            yield Delta(tok.encode("Hi"), None, None, 0)
+            yield Delta([], None, None, 0, Generation(output_ids=tok.encode("Hi"), finish_reason="stop"))
+            raise WorkerStreamFailed("worker w1 closed the stream")
+
+    choices = [ChatChoice(i, StreamedText(tok, SamplingSpec()), NoToolParser().stream(), tok, False) for i in (0, 1)]
+    envelope = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    writes = [w async for w in sse_stream(_FailsAfterOneEnds(), choices, envelope=envelope, include_usage=True)]
+    finish, error, done = sse_events(writes[-1:])
+    assert json.loads(finish[6:])["choices"][0]["finish_reason"] == "stop"
+    assert json.loads(error[6:])["error"]["message"] == "worker w1 closed the stream"
+    assert done == "data: [DONE]" and len(writes) == 2

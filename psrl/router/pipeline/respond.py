@@ -48,9 +48,9 @@ def sum_usage(prompts: Sequence[Sequence[Generation]]) -> dict[str, Any]:
     }
 
 
-def sse(payload: dict[str, Any], *, finite: bool = False) -> bytes:
-    """One SSE event (`finite`: see `encode_json`)."""
-    return b"data: %b\n\n" % encode_json(payload, finite=finite)
+def sse(payload: dict[str, Any]) -> bytes:
+    """One SSE event, written by json (an error: rare, and it may echo what msgspec cannot write)."""
+    return b"data: %b\n\n" % encode_json(payload)
 
 
 class SseChunks:
