@@ -147,3 +147,21 @@ def test_json_body() -> None:
         P.parse_json_body(b"{}" * 100, 10)
     with pytest.raises(BadRequest, match="not valid JSON"):
         P.parse_json_body(b"\xff\xfe", 100)
+
+
+@pytest.mark.parametrize(
+    ("body", "text"),
+    [
+        ({"prompt": "once upon"}, "once upon"),
+        ({"prompt": ["first", "second"]}, "first"),
+        ({"prompt": [1, 2, 3]}, None),  # token ids: no text
+        ({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}, "be briefhi"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]}]}, "a"),
+        ({"system": "sys", "messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}]}, "sysq"),
+        ({"instructions": "i", "input": "question"}, "iquestion"),
+        ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "x"}]}]}, "x"),
+        ({"messages": {"role": "user"}, "input": 7}, None),  # not checked here: the worker refuses it
+    ],
+)
+def test_routing_text_reads_what_a_prefix_aware_policy_matches_on(body, text) -> None:
+    assert P.routing_text(body) == text

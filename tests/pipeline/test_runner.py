@@ -112,9 +112,9 @@ def test_a_pipeline_that_never_responds_is_a_bug() -> None:
 
 
 def test_each_endpoint_kind_runs_its_stages_in_this_order() -> None:
-    chat = ("read", "route", "prepare", "execute", "record", "respond")
+    chat = ("read", "route", "parse", "prepare", "execute", "record", "respond")
     assert stages.CHAT.stage_names == chat
     assert stages.RESPONSES.stage_names == chat
     assert stages.MESSAGES.stage_names == chat
-    assert stages.COMPLETION.stage_names == ("read", "route", "prepare", "execute", "respond")
-    assert stages.GENERATE.stage_names == ("read", "prepare", "execute", "respond")  # gRPC workers only
+    assert stages.COMPLETION.stage_names == ("read", "route", "parse", "prepare", "execute", "respond")
+    assert stages.GENERATE.stage_names == ("read", "parse", "prepare", "execute", "respond")  # gRPC workers only

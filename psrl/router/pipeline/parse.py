@@ -1,4 +1,5 @@
-"""The read stage's checks: validate a request body into typed fields. Pure; every problem is a BadRequest naming it."""
+"""The read and parse stages' checks: validate a request body into typed fields. Pure; every problem is a
+BadRequest naming it."""
 
 from __future__ import annotations
 
@@ -232,12 +233,42 @@ def _stream_usage(body: dict[str, Any]) -> tuple[bool, bool]:
     return include, include and get_bool(options, "continuous_usage_stats", False)
 
 
+def routing_text(body: dict[str, Any]) -> str | None:
+    """The prompt's text, for a prefix-aware policy to match a request proxied to an HTTP worker on: a completion's
+    (first) prompt, or the text of a chat, Responses or Messages body's instructions and messages. Nothing is
+    checked here (the worker checks what it is sent): what is not text is left out, and None means no text."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt:
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    parts: list[str] = []
+    for key in ("system", "instructions", "messages", "input"):
+        _add_text(body.get(key), parts)
+    return "".join(parts) or None
+
+
+def _add_text(value: Any, parts: list[str]) -> None:
+    """The text of a string, of a list of content parts, or of a list of messages whose content is either."""
+    if isinstance(value, str):
+        parts.append(value)
+    elif isinstance(value, list):
+        for item in value:
+            if isinstance(item, str):
+                parts.append(item)
+            elif isinstance(item, dict):
+                text = item.get("text")
+                if isinstance(text, str):
+                    parts.append(text)
+                elif "content" in item:
+                    _add_text(item["content"], parts)
+
+
 # ---- OpenAI chat ----------------------------------------------------------------------------------------
 
 
 @dataclass
 class ChatRequest:
-    model: str | None
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     sampling: SamplingSpec
@@ -345,7 +376,6 @@ def parse_chat(body: dict[str, Any], *, check_texts: bool = True) -> ChatRequest
             check_json_text(value, name)
     include_usage, continuous_usage = _stream_usage(body)
     return ChatRequest(
-        model=get_str(body, "model", None),
         messages=messages,
         tools=None if tool_choice.mode == "none" else tools,
         sampling=sampling,
@@ -364,7 +394,6 @@ def parse_chat(body: dict[str, Any], *, check_texts: bool = True) -> ChatRequest
 
 @dataclass
 class CompletionRequest:
-    model: str | None
     prompts: list[str | list[int]]
     sampling: SamplingSpec
     stream: bool
@@ -397,7 +426,6 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
         raise BadRequest("streaming supports one prompt per request", param="prompt")
     include_usage, continuous_usage = _stream_usage(body)
     return CompletionRequest(
-        model=get_str(body, "model", None),
         prompts=prompts,
         sampling=sampling,
         stream=stream,
@@ -411,7 +439,6 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
 
 @dataclass
 class GenerateRequestBody:
-    model: str | None
     prompts: list[list[int] | str]
     request_ids: list[str | None]
     sampling: SamplingSpec
@@ -470,7 +497,6 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequestBody:
     top_n = get_int(body, "top_logprobs_num", 0, minimum=0, maximum=20) or 0
     sampling.logprobs = top_n if return_logprob else None
     return GenerateRequestBody(
-        model=get_str(body, "model", None),
         prompts=prompts,
         request_ids=request_ids,
         sampling=sampling,

@@ -38,17 +38,18 @@ class RequestContext:
 
     http: Request  # the HTTP request as it came (headers, body, arrival time)
     route: str  # the route it came on: metrics, logs, and the path a proxied request goes to
-    # read: the body, the routing headers, the parsed request, the served model, a fresh request id
+    # read: the body, the routing headers, the served model, a fresh request id
     raw: bytes = b""
     body: dict[str, Any] = field(default_factory=dict)
     meta: RoutingMeta = NO_ROUTING_META
-    chat: ChatRequest | None = None
-    completion: CompletionRequest | None = None
-    generate: GenerateRequestBody | None = None
     turn: tuple[str, int] | None = None  # a TITO turn: (session id, trajectory id)
     model: str = ""
     request_id: str = ""
     created: int = 0
+    # parse: the request, typed and checked
+    chat: ChatRequest | None = None
+    completion: CompletionRequest | None = None
+    generate: GenerateRequestBody | None = None
     # prepare: the tokenizer and one generation input per prompt (a TITO turn's prepared record)
     tokenizer: Tokenizer | None = None
     inputs: list[GenerationInput] = field(default_factory=list)

@@ -1,7 +1,9 @@
 """The request path, stage by stage, and each endpoint kind's stage list.
 
-    read     the body and the routing headers, parsed and checked; the served model; a request id
-    route    a model served only over HTTP is proxied as it came (the run ends here); else it needs token ids
+    read     the body (a JSON object) and the routing headers; the served model; a request id
+    route    a model served only over HTTP is proxied as it came (the run ends here: its worker checks the
+             request's fields, as it would without the router); else it needs token ids
+    parse    the API's fields, parsed and checked (a 400 names the field)
     prepare  the chat template and the tokenizer (or a TITO turn's incremental prompt): one input per prompt
     execute  each prompt's rollout: placed (directly or through the routing loop), generated, looped back
              after a weight-sync abort until it ends; a stream is only started here
@@ -116,44 +118,23 @@ def resolve_model(registry: WorkerRegistry, model: str | None) -> str:
     return model
 
 
-async def _read_body(s: Services, ctx: RequestContext) -> None:
+async def read(s: Services, ctx: RequestContext) -> None:
     ctx.raw = ctx.http.body
     ctx.body = P.parse_json_body(ctx.raw, s.config.max_payload_bytes)
     ctx.meta = parse_routing_meta(ctx.http.headers)
     ctx.created = int(time.time())
+    ctx.model = resolve_model(s.registry, P.get_str(ctx.body, "model", None))
 
 
-def read_chat(shape: ChatShape | None) -> StageFn:
-    async def read(s: Services, ctx: RequestContext) -> None:
-        await _read_body(s, ctx)
-        chat_body = ctx.body
-        if shape is not None:
-            try:
-                chat_body = shape.to_chat(ctx.body)
-            except ApiShapeError as e:
-                raise BadRequest(e.message, param=e.param) from None
-        chat = P.parse_chat(chat_body, check_texts=may_hold_surrogates(ctx.raw))
-        if shape is not None:
-            chat.stream = P.get_bool(ctx.body, "stream", False)
-        ctx.chat = chat
-        ctx.model = resolve_model(s.registry, chat.model)
-        ctx.request_id = new_request_id("chatcmpl")
-        ctx.turn = TitoBridge.turn_of(ctx.http.headers) if s.config.tito.enable_tito else None
-
-    return read
+async def read_chat(s: Services, ctx: RequestContext) -> None:
+    await read(s, ctx)
+    ctx.request_id = new_request_id("chatcmpl")
+    ctx.turn = TitoBridge.turn_of(ctx.http.headers) if s.config.tito.enable_tito else None
 
 
 async def read_completion(s: Services, ctx: RequestContext) -> None:
-    await _read_body(s, ctx)
-    ctx.completion = P.parse_completion(ctx.body)
-    ctx.model = resolve_model(s.registry, ctx.completion.model)
+    await read(s, ctx)
     ctx.request_id = new_request_id("cmpl")
-
-
-async def read_generate(s: Services, ctx: RequestContext) -> None:
-    await _read_body(s, ctx)
-    ctx.generate = P.parse_generate(ctx.body)
-    ctx.model = resolve_model(s.registry, ctx.generate.model)
 
 
 # ---- route -----------------------------------------------------------------------------------------------
@@ -164,19 +145,38 @@ async def route(s: Services, ctx: RequestContext) -> None:
         return
     if ctx.turn is not None:
         raise BadRequest(f"TITO needs gRPC workers; model {ctx.model!r} is served only over HTTP")
-    text: str | None = None  # what prefix-aware policies match on without token ids
-    if ctx.chat is not None:
-        stream = ctx.chat.stream
-        if s.policy.needs_text:
-            text = "".join(m["content"] for m in ctx.chat.messages)
-    else:
-        assert ctx.completion is not None
-        first, stream = ctx.completion.prompts[0], ctx.completion.stream
-        if s.policy.needs_text and isinstance(first, str):
-            text = first
+    text = P.routing_text(ctx.body) if s.policy.needs_text else None  # prefix-aware policies match on it
     request = SelectionRequest(ctx.request_id, ctx.model, (), text, ctx.meta.routing_key)
     ticket = await s.dispatcher.acquire(ctx.model, ctx.meta, request)
+    stream = P.get_bool(ctx.body, "stream", False)
     ctx.response = await s.http.proxy(ctx.route, ticket, ctx.raw, ctx.http.headers, stream, s.dispatcher.finish)
+
+
+# ---- parse -----------------------------------------------------------------------------------------------
+
+
+def parse_chat(shape: ChatShape | None) -> StageFn:
+    async def parse(s: Services, ctx: RequestContext) -> None:
+        chat_body = ctx.body
+        if shape is not None:
+            try:
+                chat_body = shape.to_chat(ctx.body)
+            except ApiShapeError as e:
+                raise BadRequest(e.message, param=e.param) from None
+        chat = P.parse_chat(chat_body, check_texts=may_hold_surrogates(ctx.raw))
+        if shape is not None:
+            chat.stream = P.get_bool(ctx.body, "stream", False)
+        ctx.chat = chat
+
+    return parse
+
+
+async def parse_completion(s: Services, ctx: RequestContext) -> None:
+    ctx.completion = P.parse_completion(ctx.body)
+
+
+async def parse_generate(s: Services, ctx: RequestContext) -> None:
+    ctx.generate = P.parse_generate(ctx.body)
 
 
 # ---- prepare ---------------------------------------------------------------------------------------------
@@ -412,8 +412,9 @@ def chat_pipeline(kind: str, shape: ChatShape | None = None) -> Pipeline[Service
     return Pipeline(
         kind,
         [
-            Stage("read", read_chat(shape)),
+            Stage("read", read_chat),
             Stage("route", route),
+            Stage("parse", parse_chat(shape)),
             Stage("prepare", prepare_chat),
             Stage("execute", execute),
             Stage("record", record),
@@ -430,6 +431,7 @@ COMPLETION = Pipeline(
     [
         Stage("read", read_completion),
         Stage("route", route),
+        Stage("parse", parse_completion),
         Stage("prepare", prepare_completion),
         Stage("execute", execute),
         Stage("respond", respond_completion),
@@ -438,7 +440,8 @@ COMPLETION = Pipeline(
 GENERATE = Pipeline(  # token ids in and out: gRPC workers only, so no route stage
     "generate",
     [
-        Stage("read", read_generate),
+        Stage("read", read),
+        Stage("parse", parse_generate),
         Stage("prepare", prepare_generate),
         Stage("execute", execute),
         Stage("respond", respond_generate),

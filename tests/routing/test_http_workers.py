@@ -1,0 +1,128 @@
+"""The router in front of plain HTTP workers (a fake one here; tests/real_vllm/test_http_mode_vllm.py has vLLM's):
+- a body goes to the worker as it came, checked by the worker alone, whose answer (an error too) comes back;
+- `--request-timeout-s`: an upstream that stalls past it is a 504 naming the worker, and the router goes on
+  serving; without it, a slow upstream is waited for."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+from _procs import start_router, stop_processes
+
+MODEL = "slow-model"
+
+
+class _SlowWorker(BaseHTTPRequestHandler):
+    """A stock OpenAI-compatible server's shape, whose chat completions take `delay_s` (set per test). It keeps
+    the bodies it was sent, and answers `refusal` (a status and its JSON) instead when that is set."""
+
+    delay_s = 0.0
+    refusal: tuple[int, dict] | None = None
+    received: list[bytes] = []
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def _json(self, payload: object, status: int = 200) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/models":
+            self._json({"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": 2048}]})
+        else:
+            self._json({"status": "ok"})
+
+    def do_POST(self) -> None:
+        type(self).received.append(self.rfile.read(int(self.headers.get("content-length", "0"))))
+        time.sleep(type(self).delay_s)
+        if type(self).refusal is not None:
+            self._json(type(self).refusal[1], type(self).refusal[0])
+        else:
+            self._json({"id": "c", "object": "chat.completion", "model": MODEL, "choices": []})
+
+
+@pytest.fixture
+def slow_worker() -> Iterator[tuple[str, type[_SlowWorker]]]:
+    handler = type("SlowWorker", (_SlowWorker,), {"received": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", handler
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _chat(url: str) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+
+
+def test_bodies_go_to_the_worker_as_they_came_and_its_verdict_comes_back(slow_worker, log_dir) -> None:
+    """The router reads only what routing needs (the model, stream, and a prefix-aware policy's text); the
+    rest is the worker's to check, as it would be without the router: an image part, which gRPC workers'
+    text-only models refuse, goes through byte for byte, and so does the worker's own error."""
+    url, handler = slow_worker
+    router = start_router(log_dir, [url], args=["--connection-mode", "http", "--policy", "cache_aware"])
+    try:
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        messages = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]
+        body = json.dumps({"model": MODEL, "messages": messages, "top_k": 0, "max_tokens": 3}).encode()
+        r = httpx.post(f"{router.url}/v1/chat/completions", content=body, timeout=30)
+        assert r.status_code == 200, r.text
+        assert handler.received == [body]
+        handler.refusal = (400, {"error": {"message": "the worker says no", "type": "BadRequestError", "code": 400}})
+        responses = {"model": MODEL, "input": [{"role": "user", "content": "hi"}], "max_output_tokens": -5}
+        r = httpx.post(f"{router.url}/v1/responses", json=responses, timeout=30)
+        assert (r.status_code, r.json()) == handler.refusal
+        assert json.loads(handler.received[-1]) == responses
+        # What routing itself reads is still checked here.
+        r = httpx.post(f"{router.url}/v1/chat/completions", json={"model": MODEL, "messages": [], "stream": "yes"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+        r = httpx.post(f"{router.url}/v1/chat/completions", json={"model": "other", "messages": []})
+        assert r.status_code == 404
+        assert len(handler.received) == 2
+    finally:
+        stop_processes([router.proc])
+
+
+def test_an_upstream_past_the_request_timeout_is_a_504(slow_worker, log_dir) -> None:
+    url, handler = slow_worker
+    router = start_router(log_dir, [url], args=["--connection-mode", "http", "--request-timeout-s", "0.5"])
+    try:
+        handler.delay_s = 3.0
+        started = time.monotonic()
+        r = _chat(router.url)
+        assert r.status_code == 504, r.text
+        assert r.json()["error"]["code"] == "worker_timeout"
+        assert time.monotonic() - started < 2.5  # cut at the timeout, not when the upstream answered
+        handler.delay_s = 0.0
+        assert _chat(router.url).status_code == 200  # the router goes on serving
+    finally:
+        stop_processes([router.proc])
+
+
+def test_without_a_request_timeout_a_slow_upstream_is_waited_for(slow_worker, log_dir) -> None:
+    url, handler = slow_worker
+    router = start_router(log_dir, [url], args=["--connection-mode", "http"])
+    try:
+        handler.delay_s = 1.5
+        r = _chat(router.url)
+        assert r.status_code == 200, r.text
+        assert r.json()["object"] == "chat.completion"
+    finally:
+        stop_processes([router.proc])
