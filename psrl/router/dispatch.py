@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 
 from psrl.psmanager.errors import PSManagerError
@@ -100,9 +100,9 @@ class Dispatcher:
             }
         )
 
-    def instances(self, model: str, grpc_only: bool) -> list[InstanceState]:
-        instances = self.registry.instances_of(model)
-        return [i for i in instances if i.worker.connection_mode is ConnectionMode.GRPC] if grpc_only else instances
+    def instances(self, model: str, grpc_only: bool) -> Sequence[InstanceState]:
+        view = self.registry.view(model)
+        return view.grpc_instances if grpc_only else view.instances
 
     async def acquire(
         self, model: str, meta: RoutingMeta, request: SelectionRequest, *, grpc_only: bool = False

@@ -43,8 +43,9 @@ class _Pending:
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, pool: _HostPool) -> None:
+    def __init__(self, pool: _HostPool, loop: asyncio.AbstractEventLoop) -> None:
         self._pool = pool
+        self._loop = loop  # asyncio.get_running_loop() costs a getpid() call per request (Python 3.11)
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self._pending: _Pending | None = None
@@ -125,7 +126,7 @@ class _Connection(asyncio.Protocol):
 
     def send(self, head: bytes, body: bytes, stream: bool) -> _Pending:
         assert self._transport is not None and self._pending is None
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         if stream:
             pending = _Pending(loop.create_future(), chunks=asyncio.Queue())
         else:  # no queue: a whole response's body is only collected
@@ -157,7 +158,7 @@ class _HostPool:
                 return conn, True
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await loop.create_connection(lambda: _Connection(self), self.host, self.port)
+            _, conn = await loop.create_connection(lambda: _Connection(self, loop), self.host, self.port)
         except OSError as e:
             raise HttpConnectionError(f"cannot connect to {self.host}:{self.port}: {e}") from e
         return conn, False

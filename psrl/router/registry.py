@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
@@ -106,12 +107,13 @@ class Worker:
     label_weight_version: int = 0
     instances: list[InstanceState] = field(default_factory=list)
 
-    @property
+    # A worker's url never changes: these are read per request, so they are worked out once.
+    @cached_property
     def target(self) -> str:
         """host:port (the gRPC target, or the HTTP authority)."""
         return urlsplit(self.url).netloc
 
-    @property
+    @cached_property
     def host_port(self) -> tuple[str, int]:
         parts = urlsplit(self.url)
         return parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80)
@@ -143,12 +145,24 @@ class Worker:
         }
 
 
+class ModelView(NamedTuple):
+    """The workers serving a model and their instances, in registration order, available or not."""
+
+    workers: tuple[Worker, ...]
+    instances: tuple[InstanceState, ...]
+    grpc_instances: tuple[InstanceState, ...]  # those of gRPC workers: the ones that take token ids
+
+
 @dataclass
 class WorkerRegistry:
     health_config: HealthConfig = field(default_factory=HealthConfig)
     breaker_config: BreakerConfig = field(default_factory=BreakerConfig)
     _workers: dict[str, Worker] = field(default_factory=dict)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(0))
+    # Read per request and changed only when a worker is added or removed: worked out once per change, so a
+    # request costs no scan of the fleet. Only served models (and None: any) are kept, so the map stays small.
+    _views: dict[str | None, ModelView] = field(default_factory=dict)
+    _models: tuple[str, ...] | None = None
 
     def new_id(self) -> str:
         while True:
@@ -187,13 +201,20 @@ class WorkerRegistry:
             for rank in range(dp_size)
         ]
         self._workers[worker_id] = worker
+        self._changed()
         return worker
+
+    def _changed(self) -> None:
+        self._views.clear()
+        self._models = None
 
     def by_url(self, url: str) -> Worker | None:
         return next((w for w in self._workers.values() if w.url == url), None)
 
     def remove(self, worker_id: str) -> Worker | None:
-        return self._workers.pop(worker_id, None)
+        worker = self._workers.pop(worker_id, None)
+        self._changed()
+        return worker
 
     def get(self, worker_id: str) -> Worker | None:
         return self._workers.get(worker_id)
@@ -208,16 +229,27 @@ class WorkerRegistry:
     def instances(self) -> list[InstanceState]:
         return [i for w in self._workers.values() for i in w.instances]
 
-    def models(self) -> list[str]:
-        seen: dict[str, None] = {}
-        for w in self._workers.values():
-            for m in w.models:
-                seen.setdefault(m)
-        return list(seen)
+    def models(self) -> tuple[str, ...]:
+        """The served models, in the order their first worker registered."""
+        if self._models is None:
+            self._models = tuple(dict.fromkeys(m for w in self._workers.values() for m in w.models))
+        return self._models
 
-    def serving(self, model: str | None) -> list[Worker]:
-        return [w for w in self._workers.values() if w.serves(model)]
+    def view(self, model: str | None) -> ModelView:
+        """The workers serving `model` (None: any) and their instances."""
+        view = self._views.get(model)
+        if view is None:
+            workers = tuple(w for w in self._workers.values() if w.serves(model))
+            instances = tuple(i for w in workers for i in w.instances)
+            grpc = tuple(i for i in instances if i.worker.connection_mode is ConnectionMode.GRPC)
+            view = ModelView(workers, instances, grpc)
+            if workers:
+                self._views[model] = view
+        return view
 
-    def instances_of(self, model: str | None) -> list[InstanceState]:
+    def serving(self, model: str | None) -> tuple[Worker, ...]:
+        return self.view(model).workers
+
+    def instances_of(self, model: str | None) -> tuple[InstanceState, ...]:
         """Every instance of workers serving `model`, in registration order, available or not."""
-        return [i for w in self._workers.values() if w.serves(model) for i in w.instances]
+        return self.view(model).instances

@@ -19,7 +19,7 @@ import asyncio
 import heapq
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +43,7 @@ _PARTITION_UNVERSIONED = 2**31 - 1
 class QueueEntry:
     meta: RoutingMeta
     request: SelectionRequest
-    instances: Callable[[], list[InstanceState]]  # the candidates, read when the entry is selected
+    instances: Callable[[], Sequence[InstanceState]]  # the candidates, read when the entry is selected
     future: asyncio.Future  # resolves to the committed Ticket (with its hand-off permit)
     seq: int = 0
     key: tuple = ()
@@ -171,7 +171,7 @@ class RoutingLoop:
     # ---- the request side --------------------------------------------------------------------------------
 
     async def acquire(
-        self, meta: RoutingMeta, request: SelectionRequest, instances: Callable[[], list[InstanceState]]
+        self, meta: RoutingMeta, request: SelectionRequest, instances: Callable[[], Sequence[InstanceState]]
     ) -> Ticket:
         """Wait in the queue until the loop has selected and committed an instance for this request. The
         ticket holds a hand-off permit: call `ticket.release_handoff()` once the Generate is sent, and

@@ -28,8 +28,8 @@ def test_registry_instances() -> None:
     reg = _registry()
     assert [i.id for i in reg.instances_of("m")] == [InstanceId("a", 0), InstanceId("b", 0), InstanceId("b", 1)]
     assert [i.id for i in reg.instances_of("other")] == [InstanceId("c", 0)]
-    assert reg.instances_of("nope") == []
-    assert reg.models() == ["m", "other"]
+    assert reg.instances_of("nope") == ()
+    assert reg.models() == ("m", "other")
     assert reg.instance(InstanceId("b", 1)) is reg.get("b").instances[1]
     assert reg.instance(InstanceId("b", 2)) is None
     assert reg.new_id() == "0"
@@ -37,10 +37,31 @@ def test_registry_instances() -> None:
     assert reg.remove("b") is not None and reg.remove("b") is None
 
 
+def test_a_models_workers_follow_every_addition_and_removal() -> None:
+    """What requests read per model is kept between changes, and redone after each."""
+    reg = _registry()
+    assert [w.worker_id for w in reg.serving("m")] == ["a", "b"]
+    assert [w.worker_id for w in reg.serving(None)] == ["a", "b", "c"]
+    reg.create_worker("d", "http://127.0.0.1:4", models=["m", "new"], labels={}, connection_mode="http")
+    view = reg.view("m")
+    assert [w.worker_id for w in view.workers] == ["a", "b", "d"]
+    assert [i.id.base_worker_id for i in view.instances] == ["a", "b", "b", "d"]
+    assert [i.id.base_worker_id for i in view.grpc_instances] == ["a", "b", "b"]  # d is an HTTP worker
+    assert reg.models() == ("m", "other", "new")
+    assert reg.view("new").grpc_instances == ()
+    reg.remove("a")
+    reg.create_worker("b", "grpc://127.0.0.1:5", models=["other"], labels={})  # b replaced, now serving another
+    assert [w.worker_id for w in reg.serving("m")] == ["d"]
+    assert [w.url for w in reg.serving("other")] == ["grpc://127.0.0.1:5", "grpc://127.0.0.1:3"]
+    assert reg.models() == ("other", "m", "new")
+    reg.view("not served")
+    assert set(reg._views) == {"m", "other"}  # a model nobody serves is not kept
+
+
 def test_round_robin_cycles() -> None:
     cands = _registry().instances_of("m")
     policy = RoundRobinPolicy()
-    assert [policy.select(cands, SelectionRequest(str(i))) for i in range(6)] == cands * 2
+    assert [policy.select(cands, SelectionRequest(str(i))) for i in range(6)] == [*cands, *cands]
 
 
 def test_random_covers_every_candidate() -> None:

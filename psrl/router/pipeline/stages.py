@@ -25,7 +25,7 @@ from typing import Any
 
 from psrl import apis as A
 from psrl.apis import ApiShapeError
-from psrl.router.config import ConnectionMode, RouterConfig
+from psrl.router.config import RouterConfig
 from psrl.router.dispatch import Dispatcher, Rollout
 from psrl.router.errors import BadRequest, ModelNotFound, WorkerUnavailable
 from psrl.router.http_backend import HttpWorkers
@@ -77,7 +77,7 @@ class Services:
 
     def needs_tokens(self, model: str) -> bool:
         """Whether `model` has gRPC workers (token ids in, token ids out); else it is proxied over HTTP."""
-        return any(w.connection_mode is ConnectionMode.GRPC for w in self.registry.serving(model))
+        return bool(self.registry.view(model).grpc_instances)
 
     def tool_parser_for(self, chat: P.ChatRequest) -> ToolCallParser:
         # Tool calls are parsed out only when the request offered tools, as vLLM does with a parser enabled.
