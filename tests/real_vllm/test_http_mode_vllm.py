@@ -1,6 +1,7 @@
 """The router in HTTP mode in front of a stock `vllm serve` (vLLM's OpenAI server, CPU build): what users run
 when their replicas speak only OpenAI HTTP. Plain and streamed answers pass through with the instance headers,
-and `--request-timeout-s` cuts a generation that runs past it (a 504) while the router goes on serving."""
+vLLM's own verdict on a request it refuses comes back as it gave it, and `--request-timeout-s` cuts a generation
+that runs past it (a 504) while the router goes on serving."""
 
 from __future__ import annotations
 
@@ -62,6 +63,27 @@ def test_plain_and_streamed_answers_pass_through(vllm_serve: Proc, log_dir: Path
         assert chunks[-1].choices[0].finish_reason == "length"
         text = client.completions.create(model=model, prompt="hi", max_tokens=2)
         assert text.object == "text_completion" and text.usage is not None and text.usage.completion_tokens == 2
+    finally:
+        stop_processes([router.proc])
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": [], "max_tokens": 2},
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": -1},
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000},  # past --max-model-len
+    ],
+)
+def test_a_request_vllm_refuses_gets_vllms_own_answer(vllm_serve: Proc, log_dir: Path, body: dict) -> None:
+    """The router forwards the body unchecked: the client sees the status and error vLLM itself gives."""
+    router = start_router(log_dir, [vllm_serve.url], args=["--connection-mode", "http"])
+    try:
+        direct = httpx.post(f"{vllm_serve.url}/v1/chat/completions", json=body, timeout=60)
+        assert 400 <= direct.status_code < 500, direct.text
+        routed = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=60)
+        assert (routed.status_code, routed.json()) == (direct.status_code, direct.json())
+        assert routed.headers["x-base-worker-id"] == "0"
     finally:
         stop_processes([router.proc])
 
