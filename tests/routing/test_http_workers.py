@@ -77,7 +77,8 @@ def test_bodies_go_to_the_worker_as_they_came_and_its_verdict_comes_back(slow_wo
     rest is the worker's to check, as it would be without the router: an image part, which gRPC workers'
     text-only models refuse, goes through byte for byte, and so does the worker's own error."""
     url, handler = slow_worker
-    router = start_router(log_dir, [url], args=["--connection-mode", "http", "--policy", "cache_aware"])
+    args = ["--connection-mode", "http", "--policy", "cache_aware", "--enable-routing-loop"]
+    router = start_router(log_dir, [url], args=args)
     try:
         image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
         messages = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]
@@ -90,12 +91,19 @@ def test_bodies_go_to_the_worker_as_they_came_and_its_verdict_comes_back(slow_wo
         r = httpx.post(f"{router.url}/v1/responses", json=responses, timeout=30)
         assert (r.status_code, r.json()) == handler.refusal
         assert json.loads(handler.received[-1]) == responses
-        # What routing itself reads is still checked here.
-        r = httpx.post(f"{router.url}/v1/chat/completions", json={"model": MODEL, "messages": [], "stream": "yes"})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+        # What routing itself reads is still checked here, and a request refused for it holds no instance.
+        psrl = {"x-request-id": "7", "x-prompt-id": "7"}  # through the routing loop
+        for headers in ({}, psrl):
+            bad = {"model": MODEL, "messages": [], "stream": "yes"}
+            r = httpx.post(f"{router.url}/v1/chat/completions", json=bad, headers=headers, timeout=30)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
         r = httpx.post(f"{router.url}/v1/chat/completions", json={"model": "other", "messages": []})
         assert r.status_code == 404
         assert len(handler.received) == 2
+        [worker] = httpx.get(f"{router.url}/workers", timeout=10).json()["workers"]
+        assert worker["instances"][0]["inflight_requests"] == 0
+        loop = httpx.get(f"{router.url}/routing_loop/status", timeout=10).json()
+        assert (loop["active_dispatch_handoffs"], loop["running_request_num"]) == (0, 0)
     finally:
         stop_processes([router.proc])
 

@@ -145,10 +145,10 @@ async def route(s: Services, ctx: RequestContext) -> None:
         return
     if ctx.turn is not None:
         raise BadRequest(f"TITO needs gRPC workers; model {ctx.model!r} is served only over HTTP")
+    stream = P.get_bool(ctx.body, "stream", False)  # before the ticket: proxy() is what releases it
     text = P.routing_text(ctx.body) if s.policy.needs_text else None  # prefix-aware policies match on it
     request = SelectionRequest(ctx.request_id, ctx.model, (), text, ctx.meta.routing_key)
     ticket = await s.dispatcher.acquire(ctx.model, ctx.meta, request)
-    stream = P.get_bool(ctx.body, "stream", False)
     ctx.response = await s.http.proxy(ctx.route, ticket, ctx.raw, ctx.http.headers, stream, s.dispatcher.finish)
 
 
