@@ -72,7 +72,7 @@ def test_plain_and_streamed_answers_pass_through(vllm_serve: Proc, log_dir: Path
     [
         {"messages": [], "max_tokens": 2},
         {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": -1},
-        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000},  # past --max-model-len
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000},  # past --max-model-len 2048
     ],
 )
 def test_a_request_vllm_refuses_gets_vllms_own_answer(vllm_serve: Proc, log_dir: Path, body: dict) -> None:

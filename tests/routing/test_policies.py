@@ -50,6 +50,8 @@ def test_a_models_workers_follow_every_addition_and_removal() -> None:
     assert reg.models() == ("m", "other", "new")
     assert reg.view("new").grpc_instances == ()
     reg.remove("a")
+    assert [w.worker_id for w in reg.serving("m")] == ["b", "d"]
+    assert [i.id.base_worker_id for i in reg.instances_of(None)] == ["b", "b", "c", "d"]
     reg.create_worker("b", "grpc://127.0.0.1:5", models=["other"], labels={})  # b replaced, now serving another
     assert [w.worker_id for w in reg.serving("m")] == ["d"]
     assert [w.url for w in reg.serving("other")] == ["grpc://127.0.0.1:5", "grpc://127.0.0.1:3"]
