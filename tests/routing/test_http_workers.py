@@ -1,10 +1,12 @@
 """The router in front of plain HTTP workers (a fake one here; tests/real_vllm/test_http_mode_vllm.py has vLLM's):
 - a body goes to the worker as it came, checked by the worker alone, whose answer (an error too) comes back;
+- a prefix-aware policy matches on the prompt's text, whichever API the body speaks;
 - `--request-timeout-s`: an upstream that stalls past it is a 504 naming the worker, and the router goes on
   serving; without it, a slow upstream is waited for."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -53,8 +55,8 @@ class _SlowWorker(BaseHTTPRequestHandler):
             self._json({"id": "c", "object": "chat.completion", "model": MODEL, "choices": []})
 
 
-@pytest.fixture
-def slow_worker() -> Iterator[tuple[str, type[_SlowWorker]]]:
+@contextlib.contextmanager
+def _fake_worker() -> Iterator[tuple[str, type[_SlowWorker]]]:
     handler = type("SlowWorker", (_SlowWorker,), {"received": []})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
@@ -65,6 +67,12 @@ def slow_worker() -> Iterator[tuple[str, type[_SlowWorker]]]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture
+def slow_worker() -> Iterator[tuple[str, type[_SlowWorker]]]:
+    with _fake_worker() as worker:
+        yield worker
 
 
 def _chat(url: str) -> httpx.Response:
@@ -106,6 +114,34 @@ def test_bodies_go_to_the_worker_as_they_came_and_its_verdict_comes_back(slow_wo
         assert (loop["active_dispatch_handoffs"], loop["running_request_num"]) == (0, 0)
     finally:
         stop_processes([router.proc])
+
+
+def test_cache_aware_places_a_prompt_by_its_text_in_every_api(log_dir) -> None:
+    """Over HTTP the policy has no token ids: it matches the text the router reads from the body. Two prompts
+    take one worker each (the second goes to the emptier tree), and each comes back to its own worker whether
+    it is sent as a chat, a Responses or a Messages body. With no text every request would go to the first."""
+    a, b = "the story of a lighthouse keeper " * 20, "a recipe for bread with seeds " * 20
+    bodies = {
+        "/v1/chat/completions": lambda text: {"model": MODEL, "messages": [{"role": "user", "content": text}]},
+        "/v1/responses": lambda text: {"model": MODEL, "input": [{"role": "user", "content": text}]},
+        "/v1/messages": lambda text: {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": text}]},
+    }
+    with _fake_worker() as (url_1, _), _fake_worker() as (url_2, _):
+        router = start_router(log_dir, [url_1, url_2], args=["--connection-mode", "http", "--policy", "cache_aware"])
+        try:
+
+            def served(path: str, text: str) -> str:
+                r = httpx.post(f"{router.url}{path}", json=bodies[path](text), timeout=30)
+                assert r.status_code == 200, r.text
+                return r.headers["x-base-worker-id"]
+
+            home_a = served("/v1/chat/completions", a)
+            home_b = served("/v1/chat/completions", b)
+            assert home_a != home_b
+            for path in bodies:
+                assert (served(path, a + path), served(path, b + path)) == (home_a, home_b), path
+        finally:
+            stop_processes([router.proc])
 
 
 def test_an_upstream_past_the_request_timeout_is_a_504(slow_worker, log_dir) -> None:
