@@ -187,7 +187,7 @@ class WorkerRegistry:
         worker = Worker(
             worker_id=worker_id,
             url=url,
-            models=models,
+            models=list(models),  # its own list: the views above assume it never changes
             labels=labels,
             health=HealthTracker(self.health_config),
             dp_size=dp_size,
