@@ -22,6 +22,7 @@ from typing import Any
 import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 ENCODE_CACHE_ENTRIES = 1024
 # Texts longer than this are encoded without the cache: 1024 long-context prompts would hold gigabytes.
@@ -211,31 +212,39 @@ def lone_surrogate_at(text: str) -> int | None:
 class IncrementalDecoder:
     """Turns a growing list of ids into text deltas without emitting half of a multi-byte character.
 
-    Decodes a small window (the ids since the last clean boundary) rather than the whole output, so the
-    cost per streamed token stays constant.
+    The library's DecodeStream does it, one call per push: it decodes a small window (the ids since the last
+    clean boundary), so the cost per streamed token stays constant, and returns what the window's text adds
+    (nothing while the text ends in an incomplete UTF-8 sequence). `flush` decodes the whole output once, so the
+    deltas and what it returns add up to the output's text.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
-        self._tok = tokenizer
+        self._hf = tokenizer._hf
         self._skip = skip_special_tokens
+        self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._ids: list[int] = []
-        self._prefix_offset = 0  # window start
-        self._read_offset = 0  # ids before this are already emitted
+        self._emitted = 0  # characters returned so far
 
     def push(self, new_ids: Sequence[int]) -> str:
-        self._ids.extend(new_ids)
-        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
-        full = self._tok.decode(self._ids[self._prefix_offset :], self._skip)
-        if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more ids
+        new_ids = list(new_ids)
+        self._ids += new_ids
+        delta: str | None = None
+        if self._stream is not None:
+            try:
+                delta = self._stream.step(self._hf, new_ids)
+            except Exception:  # a window's text that does not begin with its prefix's (its decoder rewrote it)
+                self._stream = None
+        if self._stream is None:  # from then on, what the whole output's text adds
+            text = self._hf.decode(self._ids, skip_special_tokens=self._skip)
+            delta = None if text.endswith("\ufffd") else text[self._emitted :]
+        if not delta:
             return ""
-        delta = full[len(prefix) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
+        self._emitted += len(delta)
         return delta
 
     def flush(self) -> str:
         """Whatever is left at the end of the stream (replacement chars included)."""
-        prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
-        full = self._tok.decode(self._ids[self._prefix_offset :], self._skip)
-        self._prefix_offset = self._read_offset = len(self._ids)
-        return full[len(prefix) :]
+        text = self._hf.decode(self._ids, skip_special_tokens=self._skip)
+        rest = text[self._emitted :]
+        self._emitted = len(text)
+        return rest

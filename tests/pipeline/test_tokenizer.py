@@ -1,4 +1,5 @@
-"""The tiny tokenizer: deterministic build, ChatML template with tool calls, zip round trip, streaming decode."""
+"""The tiny tokenizer: deterministic build, ChatML template with tool calls, zip round trip, streaming decode (also
+around a SentencePiece tokenizer's special tokens, and when the library's stream fails)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from tokenizers import SentencePieceBPETokenizer
+from tokenizers.decoders import DecodeStream
 
 from psrl.tokenizer import ChatTemplateError, IncrementalDecoder, Tokenizer, TokenizerLoadError, build_tiny_tokenizer
+from psrl.tokenizer import tokenizer as tokenizer_module
 
 
 def test_build_is_deterministic_and_idempotent(tmp_path: Path) -> None:
@@ -72,6 +76,63 @@ def test_incremental_decoder_never_splits_characters(tokenizer: Tokenizer) -> No
     decoder = IncrementalDecoder(tokenizer)
     pieces = [decoder.push([i]) for i in ids]
     assert "".join(pieces) + decoder.flush() == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    """A Metaspace tokenizer (SentencePiece style: a word's leading space is part of its token), with specials."""
+    hf = SentencePieceBPETokenizer()
+    texts = ["special tokens and words", "naïve café déjà vu"] * 20
+    hf.train_from_iterator(texts, vocab_size=120, special_tokens=SPECIALS)
+    folder = tmp_path_factory.mktemp("sp")
+    hf.save(str(folder / "tokenizer.json"))
+    return Tokenizer.from_folder(folder)
+
+
+SPECIALS = ["<s>", "</s>"]
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_incremental_pieces_add_up_to_the_text_around_special_tokens(
+    sentencepiece_tokenizer: Tokenizer, skip_special_tokens: bool
+) -> None:
+    """A skipped special token between two words leaves the next word's space in the text: the pieces streamed
+    one id at a time add up to the whole output decoded at once (a window decoded from the special token on
+    used to drop that space)."""
+    tok = sentencepiece_tokenizer
+    end = tok.encode("</s>", add_special_tokens=False)
+    ids = tok.encode("special", add_special_tokens=False) + end + tok.encode("tokens déjà", add_special_tokens=False)
+    decoder = IncrementalDecoder(tok, skip_special_tokens)
+    pieces = [decoder.push([i]) for i in ids]
+    text = tok.decode(ids, skip_special_tokens)
+    assert "".join(pieces) + decoder.flush() == text and " tokens" in text
+
+
+def test_incremental_decoder_carries_on_when_the_stream_fails(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The library's stream refuses a window whose text no longer begins with what it already returned: the
+    decoder then carries on from the whole output's text, and the pieces still add up to it."""
+
+    class Refusing:
+        steps = 0
+
+        def __init__(self, **kwargs: bool) -> None:
+            self._real = DecodeStream(**kwargs)
+
+        def step(self, hf: object, ids: list[int]) -> str | None:
+            Refusing.steps += 1
+            if Refusing.steps > 3:
+                raise Exception("Invalid prefix encountered")  # tokenizers raises a plain Exception
+            return self._real.step(hf, ids)
+
+    monkeypatch.setattr(tokenizer_module, "DecodeStream", Refusing)
+    text = "héllo 😀 wörld — ok"
+    ids = tokenizer.encode(text)
+    decoder = IncrementalDecoder(tokenizer)
+    pieces = [decoder.push([i]) for i in ids]
+    assert Refusing.steps > 3 and "".join(pieces) + decoder.flush() == text
     assert all("\ufffd" not in p for p in pieces)
 
 
