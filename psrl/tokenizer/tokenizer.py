@@ -25,6 +25,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 ENCODE_CACHE_ENTRIES = 1024
+_INVALID_PREFIX = "Invalid prefix encountered"  # how DecodeStream.step's refusal of a window begins
 # Texts longer than this are encoded without the cache: 1024 long-context prompts would hold gigabytes.
 ENCODE_CACHE_MAX_CHARS = 32_768
 
@@ -226,21 +227,31 @@ class IncrementalDecoder:
         self._emitted = 0  # characters returned so far
 
     def push(self, new_ids: Sequence[int]) -> str:
-        new_ids = list(new_ids)
-        self._ids += new_ids
+        self._ids.extend(new_ids)
         delta: str | None = None
         if self._stream is not None:
             try:
                 delta = self._stream.step(self._hf, new_ids)
-            except Exception:  # a window's text that does not begin with its prefix's (its decoder rewrote it)
+            except Exception as e:
+                if not str(e).startswith(_INVALID_PREFIX):
+                    raise
                 self._stream = None
-        if self._stream is None:  # from then on, what the whole output's text adds
-            text = self._hf.decode(self._ids, skip_special_tokens=self._skip)
-            delta = None if text.endswith("\ufffd") else text[self._emitted :]
+        if self._stream is None:
+            delta = self._restart()
         if not delta:
             return ""
         self._emitted += len(delta)
         return delta
+
+    def _restart(self) -> str | None:
+        """After the stream refused a window (its text no longer began with the text before it: a decoder that
+        rewrites earlier text): what the whole output's text adds. Once that text ends in a whole character, a
+        new stream starts after it (one started inside a character would return the whole text again)."""
+        text = self._hf.decode(self._ids, skip_special_tokens=self._skip)
+        if text.endswith("\ufffd"):
+            return None
+        self._stream = DecodeStream(ids=self._ids, skip_special_tokens=self._skip)
+        return text[self._emitted :]
 
     def flush(self) -> str:
         """Whatever is left at the end of the stream (replacement chars included)."""

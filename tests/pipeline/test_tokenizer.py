@@ -79,6 +79,9 @@ def test_incremental_decoder_never_splits_characters(tokenizer: Tokenizer) -> No
     assert all("\ufffd" not in p for p in pieces)
 
 
+SPECIALS = ["<s>", "</s>"]
+
+
 @pytest.fixture(scope="module")
 def sentencepiece_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     """A Metaspace tokenizer (SentencePiece style: a word's leading space is part of its token), with specials."""
@@ -88,9 +91,6 @@ def sentencepiece_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokeniz
     folder = tmp_path_factory.mktemp("sp")
     hf.save(str(folder / "tokenizer.json"))
     return Tokenizer.from_folder(folder)
-
-
-SPECIALS = ["<s>", "</s>"]
 
 
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
@@ -109,31 +109,50 @@ def test_incremental_pieces_add_up_to_the_text_around_special_tokens(
     assert "".join(pieces) + decoder.flush() == text and " tokens" in text
 
 
-def test_incremental_decoder_carries_on_when_the_stream_fails(
+class _Refusing:
+    """DecodeStream, refusing the `fail_at`th step of the first stream made as the library refuses a window."""
+
+    made: list[_Refusing] = []
+    fail_at = 0
+    error = "Invalid prefix encountered while decoding stream. Token ID: 7"
+
+    def __init__(self, **kwargs: object) -> None:
+        self._real = DecodeStream(**kwargs)  # type: ignore[arg-type]
+        self.steps = 0
+        _Refusing.made.append(self)
+
+    def step(self, hf: object, ids: list[int]) -> str | None:
+        self.steps += 1
+        if self is _Refusing.made[0] and self.steps == _Refusing.fail_at:
+            raise Exception(_Refusing.error)  # tokenizers raises a plain Exception
+        return self._real.step(hf, ids)
+
+
+def test_incremental_decoder_starts_a_new_stream_when_one_refuses_a_window(
     tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The library's stream refuses a window whose text no longer begins with what it already returned: the
-    decoder then carries on from the whole output's text, and the pieces still add up to it."""
-
-    class Refusing:
-        steps = 0
-
-        def __init__(self, **kwargs: bool) -> None:
-            self._real = DecodeStream(**kwargs)
-
-        def step(self, hf: object, ids: list[int]) -> str | None:
-            Refusing.steps += 1
-            if Refusing.steps > 3:
-                raise Exception("Invalid prefix encountered")  # tokenizers raises a plain Exception
-            return self._real.step(hf, ids)
-
-    monkeypatch.setattr(tokenizer_module, "DecodeStream", Refusing)
+    """Wherever the library's stream refuses a window (also inside a multi-byte character), the pieces still
+    add up to the text, never hold half a character, and a new stream carries on (not a whole decode per id)."""
+    monkeypatch.setattr(tokenizer_module, "DecodeStream", _Refusing)
     text = "héllo 😀 wörld — ok"
     ids = tokenizer.encode(text)
-    decoder = IncrementalDecoder(tokenizer)
-    pieces = [decoder.push([i]) for i in ids]
-    assert Refusing.steps > 3 and "".join(pieces) + decoder.flush() == text
-    assert all("\ufffd" not in p for p in pieces)
+    for fail_at in range(1, len(ids) - 1):
+        _Refusing.made, _Refusing.fail_at = [], fail_at
+        decoder = IncrementalDecoder(tokenizer)
+        pieces = [decoder.push([i]) for i in ids]
+        assert "".join(pieces) + decoder.flush() == text
+        assert all("\ufffd" not in p for p in pieces)
+        assert len(_Refusing.made) == 2 and _Refusing.made[1].steps > 0  # the rest went through the new stream
+
+
+def test_incremental_decoder_raises_what_is_not_a_refused_window(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tokenizer_module, "DecodeStream", _Refusing)
+    monkeypatch.setattr(_Refusing, "error", "something else")
+    _Refusing.made, _Refusing.fail_at = [], 1
+    with pytest.raises(Exception, match="something else"):
+        IncrementalDecoder(tokenizer).push(tokenizer.encode("hello"))
 
 
 def test_encode_cache_returns_fresh_lists(tokenizer: Tokenizer) -> None:
