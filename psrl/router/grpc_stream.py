@@ -10,7 +10,8 @@ event, which is most of what one call costs it (bench/router_overhead.py prints 
 `StreamCall` behaves as grpc.aio's unary-stream call does where the router uses one: `read()` returns each
 message and then None (grpc.aio: `EOF`), a failure is a `grpc.aio.AioRpcError` with the status gRPC would give (so
 the router maps errors one way for both clients), `cancel()` resets the stream (the replica sees a cancelled
-RPC and aborts the request), `initial_metadata()`, `wait_for_connection()` and `done()`. Deadlines go out as
+RPC and aborts the request), `initial_metadata()`, `wait_for_connection()` and `done()`. `release()` is
+ours: a caller with what it needs leaves the call to end on its own (no reset). Deadlines go out as
 `grpc-timeout` and are enforced here too. The control plane (registration, health, loads, aborts, KV events,
 the tokenizer) stays on grpc.aio: it is not per request.
 """
@@ -97,6 +98,7 @@ class StreamCall(Generic[M]):
         "_messages",
         "_offset",
         "_owner",
+        "_reaper",
         "_timeout_s",
         "_waiter",
         "target",
@@ -118,6 +120,7 @@ class StreamCall(Generic[M]):
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._curl: pycurl.Curl | None = None
+        self._reaper: asyncio.TimerHandle | None = None  # set by `release`
 
     # ---- the caller's side -------------------------------------------------------------------------
 
@@ -156,6 +159,15 @@ class StreamCall(Generic[M]):
         self._messages.clear()  # as grpc.aio: nothing is read from a cancelled call
         self._end(asyncio.CancelledError())
         return True
+
+    def release(self, grace_s: float) -> None:
+        """The caller needs nothing more: the call ends on its own, without the reset `cancel` sends (which
+        would cost the replica an abort of what it already finished). One still running after `grace_s`, from
+        a replica that never ends it, is cancelled then."""
+        if not self._done and self._reaper is None:
+            loop = self._owner._loop
+            assert loop is not None
+            self._reaper = loop.call_later(grace_s, self.cancel)
 
     async def _wait(self) -> None:
         """Until the call's state changes (the caller checks it again). Waiters share one future: a waiting
@@ -289,6 +301,8 @@ class StreamCall(Generic[M]):
     def _end(self, error: BaseException | None) -> None:
         self._done = True
         self._error = error
+        if self._reaper is not None:
+            self._reaper.cancel()
         self._wake()
 
 

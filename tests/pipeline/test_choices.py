@@ -58,6 +58,9 @@ class _Call:
     def cancel(self) -> None:
         self._frames = []
 
+    def release(self, grace_s: float) -> None:
+        self._frames = []
+
     def done(self) -> bool:
         return not self._frames
 

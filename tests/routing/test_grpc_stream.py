@@ -28,7 +28,10 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from psrl.router import grpc_stream
 from psrl.router.grpc_stream import CurlGrpc, StreamCall
-from psrl.router.worker_client import GENERATE_METHOD
+from psrl.router.pipeline.context import GenerationInput, SamplingSpec
+from psrl.router.pipeline.execute import WorkerCall
+from psrl.router.registry import WorkerRegistry
+from psrl.router.worker_client import GENERATE_METHOD, WorkerClients
 
 PROMPT = list(range(11, 31))
 
@@ -426,3 +429,83 @@ async def test_an_answer_that_cannot_be_read_ends_its_call(
         await asyncio.wait_for(_frames(call), 10)  # the frame that came is read, then the error
     assert e.value.code() == grpc.StatusCode.INTERNAL and "unreadable" in e.value.details()
     assert not client._calls and client._idle
+
+
+class _Lingering(pb_grpc.VllmEngineServicer):
+    """Sends its whole answer, then holds its trailers until `end` is set; counts the RPCs cancelled."""
+
+    def __init__(self) -> None:
+        self.end = asyncio.Event()
+        self.cancelled = 0
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator:
+        yield pb.GenerateResponse(complete=pb.GenerateComplete(output_ids=[5], finish_reason="length"))
+        try:
+            await self.end.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+@pytest.fixture
+async def lingering() -> AsyncIterator[tuple[_Lingering, str]]:
+    servicer = _Lingering()
+    server = grpc.aio.server()
+    pb_grpc.add_VllmEngineServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    servicer.end.set()
+    await server.stop(None)
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+
+
+async def test_a_released_call_ends_on_its_own_and_is_reset_only_past_its_grace(
+    client: CurlGrpc, lingering: tuple[_Lingering, str]
+) -> None:
+    servicer, target = lingering
+    call = _call(client, target, _req("answered"))
+    assert (await call.read()).WhichOneof("response") == "complete"  # type: ignore[union-attr]
+    call.release(30)
+    await asyncio.sleep(0.3)
+    assert not call.done()  # the trailers are held: it runs on
+    servicer.end.set()
+    await _until(call.done)
+    assert await call.read() is None and servicer.cancelled == 0  # it ended OK, never reset
+
+    servicer.end.clear()
+    call = _call(client, target, _req("never-ends"))
+    assert await call.read() is not None
+    call.release(0.3)
+    await _until(lambda: servicer.cancelled == 1)  # past its grace: reset, and the replica saw it cancelled
+    assert call.done() and not client._calls
+
+
+async def test_a_whole_answer_is_not_held_for_its_trailers(lingering: tuple[_Lingering, str]) -> None:
+    """WorkerCall: once every choice's complete frame is in, its deltas end and `cancel` leaves the call to
+    end on its own (a reset would cost the replica an abort of a finished request)."""
+    servicer, target = lingering
+    [instance] = WorkerRegistry().create_worker("w", f"grpc://{target}", models=["m"], labels={}).instances
+    clients = WorkerClients()
+    call = WorkerCall(clients, instance, GenerationInput("whole", PROMPT, SamplingSpec(max_tokens=1)), timeout_s=60)
+    try:
+        await call.start()
+        deltas = _token_ids(call)
+        assert await asyncio.wait_for(deltas, 5) == [[5]]  # while the replica still holds its trailers
+        call.cancel()
+        assert not call._call.done()
+        servicer.end.set()
+        await _until(call._call.done)
+        assert servicer.cancelled == 0 and call.error is None
+    finally:
+        await clients.close()
+
+
+async def _token_ids(call: WorkerCall) -> list[list[int]]:
+    return [d.token_ids async for d in call.deltas()]

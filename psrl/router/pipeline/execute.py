@@ -46,6 +46,9 @@ ACCEPTED_METADATA_KEY = "x-psrl-accepted"
 ROUTED_EXPERTS_METADATA_KEY = "x-psrl-routed-experts-start"
 ROUTED_EXPERTS_TIMEOUT_S = 30.0
 _EXPERT_ID_DTYPES = ("uint8", "uint16")
+# After the last complete frame the replica only has its trailers to send; a call still open this long
+# after it is reset.
+TRAILERS_GRACE_S = 10.0
 _unsupported_logged: set[str] = set()  # replica targets that said they cannot record routed experts
 
 
@@ -118,6 +121,7 @@ class WorkerCall:
         self._frames = 0
         self._saw_chunk = [False] * gen.sampling.n
         self._open = gen.sampling.n  # choices without their complete frame yet
+        self._whole = False  # every choice's complete frame is in: the call is left to end on its own
 
     async def _read(self) -> vllm_engine_pb2.GenerateResponse | None:
         try:
@@ -150,8 +154,9 @@ class WorkerCall:
         self._first = await self._read()
 
     def cancel(self) -> None:
-        """Stop the RPC if it is still running (the replica then aborts the request); free when it ended."""
-        if not self._call.done():
+        """Stop the RPC if it is still running (the replica then aborts the request); free when it ended or its
+        answer is whole."""
+        if not self._whole and not self._call.done():
             self._call.cancel()
 
     async def deltas(self) -> AsyncGenerator[Delta, None]:
@@ -201,7 +206,7 @@ class WorkerCall:
                 if len(results) > 1:
                     yield Delta([], None, None, c.index, res)
                 if not self._open:
-                    await self._finish_rpc()
+                    self._finish_rpc()
                     return
             frame = await self._read()
         if len(results) > 1 and any(r.finish_reason == "abort" for r in results):
@@ -298,12 +303,12 @@ class WorkerCall:
         )
         return self.error
 
-    async def _finish_rpc(self) -> None:
-        """Read the trailing status after the complete frame: a finished RPC needs no cancel (cheaper)."""
-        try:
-            await self._call.read()
-        except grpc.aio.AioRpcError:
-            pass  # the answer is complete; a transport error after it changes nothing
+    def _finish_rpc(self) -> None:
+        """The answer is whole once every choice's complete frame is in: the RPC's status, in the trailers that
+        follow (often a wake later), is not waited for, since no status after the answer would change it. The
+        call ends on its own: a reset would cost the replica an abort of a finished request."""
+        self._whole = True
+        self._call.release(TRAILERS_GRACE_S)
 
 
 def _extend(res: Generation, ids: list[int], lps: list[float] | None, top) -> None:
