@@ -14,7 +14,9 @@ Every leg runs at each --connections value (default 64 and 1): a warm-up, then -
 --duration seconds (median reported, min-max shown). Before each window the bench waits (up to --quiet-wait s)
 until the rest of the machine is quiet, and it reports how many cores others used during the window, since on
 a shared box other jobs skew both the rates and the CPU figures. The load generator is wrk (with a generated
-Lua script) when installed, else an asyncio raw-socket client.
+Lua script) when installed, else an asyncio raw-socket client. --interleave runs the windows in rounds over
+the routers; --together loads every router of a section in the same windows, each through its own load
+generator, and reports the per-window ratios (see bench/README.md).
 
 Per leg: req/s, p50/p99 latency, errors (socket errors, timeouts and non-2xx answers), and the CPU the router's
 process tree spent in the window (utime+stime from /proc/<pid>/stat, all threads, summed over the process and
@@ -42,11 +44,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -348,8 +352,13 @@ class Wrk:
         self.exe = exe
         self.tmp_dir = tmp_dir
         self.scripts: dict[Load, Path] = {}
+        self._lock = threading.Lock()  # --together runs one wrk per router from threads
 
     def _script(self, load: Load) -> Path:
+        with self._lock:
+            return self._script_locked(load)
+
+    def _script_locked(self, load: Load) -> Path:
         if load not in self.scripts:
             path = self.tmp_dir / f"wrk_{load.name}_{len(self.scripts)}.lua"
             body = load.body.decode()
@@ -556,8 +565,15 @@ def measure_window(
     window.start()
     res = gen.run(target.base_url, load, conns, args.duration, args.timeout)
     cpu = window.stop()
+    router_s = cpu.router_s if target.router_pid is not None else None
+    return window_of(res, router_s, cpu.wall_s, cpu.backend_s / max(res.requests, 1), cpu.loadgen_s, cpu.foreign_cores)
+
+
+def window_of(
+    res: LoadResult, router_s: float | None, wall_s: float, backend_s_per_req: float, loadgen_s: float, foreign: float
+) -> Window:
+    """A window's figures from its load result and CPU seconds (`router_s` None: no router in the path)."""
     done = max(res.requests, 1)
-    routed = target.router_pid is not None
     return Window(
         requests=res.requests,
         duration_s=round(res.duration_s, 3),
@@ -566,11 +582,11 @@ def measure_window(
         p99_ms=round(res.p99_ms, 3),
         socket_errors=res.socket_errors,
         non2xx=res.non2xx,
-        router_us_per_req=round(cpu.router_s / done * 1e6, 1) if routed else None,
-        router_cores=round(cpu.router_s / cpu.wall_s, 2) if routed else None,
-        backend_us_per_req=round(cpu.backend_s / done * 1e6, 1),
-        loadgen_cores=round(cpu.loadgen_s / cpu.wall_s, 2),
-        foreign_cores=round(cpu.foreign_cores, 2),
+        router_us_per_req=round(router_s / done * 1e6, 1) if router_s is not None else None,
+        router_cores=round(router_s / wall_s, 2) if router_s is not None else None,
+        backend_us_per_req=round(backend_s_per_req * 1e6, 1),
+        loadgen_cores=round(loadgen_s / wall_s, 2),
+        foreign_cores=round(foreign, 2),
     )
 
 
@@ -840,6 +856,9 @@ def run_routers(
             note(run, section, name, argv)
         else:
             routers.append((name, argv, port))
+    if args.together:
+        together(procs, section, routers, len(urls), loads, backend_pids, gen, args, run)
+        return
     if args.interleave:
         interleaved(procs, section, routers, len(urls), loads, backend_pids, gen, args, run)
         return
@@ -919,11 +938,90 @@ def interleaved(
                         run.profiles[key] = profile(target, load, max(args.connections), gen, args)
             finally:
                 procs.stop(proc)
+    add_legs(run, section, loads, windows)
+
+
+def add_legs(run: Run, section: str, loads: list[Load], windows: dict[tuple[str, str, int], list[Window]]) -> None:
+    """One leg per (router, load, concurrency) from the windows of all rounds."""
     for (name, load_name, conns), measured in windows.items():
         target = Target(section, name, "", None, [], [])
         leg = aggregate(target, next(x for x in loads if x.name == load_name), conns, measured)
         run.legs.append(leg)
         print(f"  {format_row(leg)}", flush=True)
+
+
+def together(
+    procs: Procs,
+    section: str,
+    routers: list[tuple[str, list[str], int]],
+    workers: int,
+    loads: list[Load],
+    backend_pids: list[int],
+    gen: LoadGen,
+    args: argparse.Namespace,
+    run: Run,
+) -> None:
+    """--together: every router of the section runs at once, and each of --repeat windows per leg loads them all
+    at the same time, each through a load generator of its own. Whatever the shared machine does during a window
+    then reaches every router alike, so the ratio of two routers' windows holds where sequential windows of one
+    router drift by tens of percent. The backends are shared: each router gets a share of them, and their CPU
+    per request is over all the routers' requests."""
+    started: list[tuple[Target, subprocess.Popen[bytes]]] = []
+    windows: dict[tuple[str, str, int], list[Window]] = {}
+    try:
+        for name, argv, port in routers:
+            one = start_target(procs, section, name, argv, port, workers, loads, args, run)
+            if one is not None:
+                started.append(one)
+        served: dict[str, list[Load]] = {}
+        for target, _ in started:
+            run.commands[f"{section}/{target.name}"] = target.command
+            served[target.name] = probe_loads(target, run)
+        for load in loads:
+            group = [t for t, _ in started if load in served[t.name]]
+            for conns in args.connections if group else []:
+                if args.warmup > 0:
+                    load_together(group, load, conns, args.warmup, gen, args)
+                for round_no in range(args.repeat):
+                    wait_quiet(None, [*backend_pids, *(t.router_pid for t in group if t.router_pid)], args)
+                    measured = measure_together(group, load, conns, backend_pids, gen, args)
+                    for target, window in zip(group, measured, strict=True):
+                        windows.setdefault((target.name, load.name, conns), []).append(window)
+                        us = window.router_us_per_req
+                        print(f"  window {round_no + 1}: {target.name} {load.name} @{conns}: {us} us/req", flush=True)
+    finally:
+        for _, proc in started:
+            procs.stop(proc)
+    add_legs(run, section, loads, windows)
+
+
+def load_together(
+    group: list[Target], load: Load, conns: int, duration_s: float, gen: LoadGen, args: argparse.Namespace
+) -> list[LoadResult]:
+    """`load` at `conns` connections against every router of `group` at the same time."""
+    with ThreadPoolExecutor(len(group)) as pool:
+        return list(pool.map(lambda t: gen.run(t.base_url, load, conns, duration_s, args.timeout), group))
+
+
+def measure_together(
+    group: list[Target], load: Load, conns: int, backend_pids: list[int], gen: LoadGen, args: argparse.Namespace
+) -> list[Window]:
+    """One window of `load` on every router of `group` at once: each router's CPU over its own requests."""
+    meters = [CpuMeter([t.router_pid] if t.router_pid else []) for t in group]
+    backends = CpuMeter(backend_pids)
+    for meter in (*meters, backends):
+        meter.start()
+    own0, machine0, t0 = own_cpu_s(), machine_busy_s(), time.monotonic()
+    results = load_together(group, load, conns, args.duration, gen, args)
+    wall, machine, own = time.monotonic() - t0, machine_busy_s() - machine0, own_cpu_s() - own0
+    router_s = [m.stop() for m in meters]
+    backend_s = backends.stop()
+    backend_per_req = backend_s / max(sum(r.requests for r in results), 1)  # the backends serve them all
+    foreign = max(0.0, machine - sum(router_s) - backend_s - own) / max(wall, 1e-9)
+    return [
+        window_of(res, cpu if target.router_pid else None, wall, backend_per_req, own, foreign)
+        for target, res, cpu in zip(group, results, router_s, strict=True)
+    ]
 
 
 def probe_loads(target: Target, run: Run) -> list[Load]:
@@ -1055,10 +1153,39 @@ def print_report(run: Run, gen: LoadGen, args: argparse.Namespace) -> None:
                 f"per token: {leg.section} {leg.target} {leg.load} @{leg.conns}: "
                 f"{leg.router_us_per_req / leg.tokens:.1f} us/token over {leg.tokens} tokens{ratio}"
             )
-    for line in ab_ratios(run.legs):
+    for line in [*paired_ratios(run.legs, args), *ab_ratios(run.legs)]:
         print(line)
     for key, prof in run.profiles.items():
         print_profile(key, prof)
+
+
+def window_ratios(leg: LegResult, base: LegResult) -> str:
+    """With --together or --interleave the legs' windows pair up (the same round): the median of the per-window
+    ratios of CPU per request, and their range; "" otherwise."""
+    pairs = [
+        (w.router_us_per_req, b.router_us_per_req)
+        for w, b in zip(leg.windows, base.windows)
+        if w.router_us_per_req and b.router_us_per_req
+    ]
+    if len(pairs) < 2 or len(leg.windows) != len(base.windows):
+        return ""
+    ratios = sorted(x / y for x, y in pairs)
+    return f"per window {statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+
+
+def paired_ratios(legs: list[LegResult], args: argparse.Namespace) -> list[str]:
+    """Per-window ratios (--together or --interleave) of ours over smg and vllm-router, per section, load and
+    concurrency."""
+    if not (args.together or args.interleave):
+        return []
+    others = [x for x in legs if x.target.startswith(("smg", "vllm-router"))]
+    lines = []
+    for leg in legs:
+        for base in others if leg.target.startswith("psrl") else []:
+            same = (base.section, base.load, base.conns) == (leg.section, leg.load, leg.conns)
+            if same and (paired := window_ratios(leg, base)):
+                lines.append(f"{leg.target} / {base.target} {leg.load} @{leg.conns}: {paired}")
+    return lines
 
 
 def ab_ratios(legs: list[LegResult]) -> list[str]:
@@ -1072,6 +1199,7 @@ def ab_ratios(legs: list[LegResult]) -> list[str]:
             lines.append(
                 f"b/a {leg.section} {leg.load} @{leg.conns}: {leg.router_us_per_req:.0f} / "
                 f"{base.router_us_per_req:.0f} us/req = {ratio:.2f}"
+                + (f"; {paired}" if (paired := window_ratios(leg, base)) else "")
             )
     return lines
 
@@ -1192,7 +1320,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="--repeat rounds, each starting every router in turn for one window per leg (for A/B comparisons)",
     )
+    p.add_argument(
+        "--together",
+        action="store_true",
+        help="run every router of a section at once, each window loading them all at the same time (for A/B "
+        "comparisons on a noisy machine; the backends are shared)",
+    )
     args = p.parse_args(argv)
+    if args.together and args.interleave:
+        p.error("--together and --interleave are two ways to order the run: pick one")
     if args.quick:
         args.duration, args.warmup, args.profile_duration = min(args.duration, 2.0), min(args.warmup, 0.5), 4.0
         args.repeat, args.quiet_wait = 1, min(args.quiet_wait, 5.0)
