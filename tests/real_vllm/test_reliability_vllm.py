@@ -3,10 +3,12 @@ on our vLLM replica, and PSRL requests on a vLLM replica killed mid-decode conti
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +20,10 @@ from _procs import Proc, descendants, process_alive, replica_busy, start_router,
 from _vllm import start_vllm_replica
 
 from psrl.gateway.processes import stop_processes
+from psrl.router.pipeline.context import GenerationInput, SamplingSpec
+from psrl.router.pipeline.execute import TRAILERS_GRACE_S, WorkerCall
+from psrl.router.registry import InstanceState, WorkerRegistry
+from psrl.router.worker_client import WorkerClients
 
 LONG = 1500  # tokens: seconds of decoding on vLLM's CPU build, far longer than the client stays
 
@@ -179,3 +185,30 @@ def test_bytes_that_are_not_the_request_are_invalid_argument_on_a_vllm_replica(
             if kind == "stream":
                 list(result)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+
+
+async def _whole_answer(clients: WorkerClients, instance: InstanceState, rid: str, stream: bool) -> WorkerCall:
+    gen = GenerationInput(rid, [11, 12, 13], SamplingSpec(max_tokens=4, ignore_eos=True), stream)
+    call = WorkerCall(clients, instance, gen, timeout_s=60)
+    await call.start()
+    assert [i async for d in call.deltas() for i in d.token_ids] and call.result.finish_reason == "length"
+    return call
+
+
+async def test_a_released_generate_ends_on_its_own(replica: Proc) -> None:
+    """The router answers on the last complete frame and releases the Generate, without the reset a cancel
+    sends: the replica must then end the RPC itself, OK, well within the grace after which a released call is
+    reset (a servicer that never sent its trailers would be reset, and abort a finished request)."""
+    [instance] = WorkerRegistry().create_worker("v", replica.url, models=["m"], labels={}).instances
+    clients = WorkerClients()
+    try:
+        for stream in (False, True):
+            call = await _whole_answer(clients, instance, f"released-{stream}-{os.getpid()}", stream)
+            call.cancel()  # released
+            deadline = time.monotonic() + TRAILERS_GRACE_S / 2
+            while not call._call.done():
+                assert time.monotonic() < deadline, "the replica did not end a whole answer's RPC"
+                await asyncio.sleep(0.01)
+            assert call._call._error is None  # its own OK status: neither reset nor failed
+    finally:
+        await clients.close()

@@ -488,7 +488,7 @@ async def test_a_released_call_ends_on_its_own_and_is_reset_only_past_its_grace(
 
 
 async def test_a_whole_answer_is_not_held_for_its_trailers(lingering: tuple[_Lingering, str]) -> None:
-    """WorkerCall: once every choice's complete frame is in, its deltas end and `cancel` leaves the call to
+    """WorkerCall: once every choice's complete frame is in, its deltas end and `cancel` releases the call to
     end on its own (a reset would cost the replica an abort of a finished request)."""
     servicer, target = lingering
     [instance] = WorkerRegistry().create_worker("w", f"grpc://{target}", models=["m"], labels={}).instances
@@ -499,7 +499,7 @@ async def test_a_whole_answer_is_not_held_for_its_trailers(lingering: tuple[_Lin
         deltas = _token_ids(call)
         assert await asyncio.wait_for(deltas, 5) == [[5]]  # while the replica still holds its trailers
         call.cancel()
-        assert not call._call.done()
+        assert not call._call.done() and call._call._reaper is not None  # released: bounded by its grace
         servicer.end.set()
         await _until(call._call.done)
         assert servicer.cancelled == 0 and call.error is None

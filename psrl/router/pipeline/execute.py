@@ -121,7 +121,6 @@ class WorkerCall:
         self._frames = 0
         self._saw_chunk = [False] * gen.sampling.n
         self._open = gen.sampling.n  # choices without their complete frame yet
-        self._whole = False  # every choice's complete frame is in: the call is left to end on its own
 
     async def _read(self) -> vllm_engine_pb2.GenerateResponse | None:
         try:
@@ -154,9 +153,14 @@ class WorkerCall:
         self._first = await self._read()
 
     def cancel(self) -> None:
-        """Stop the RPC if it is still running (the replica then aborts the request); free when it ended or its
-        answer is whole."""
-        if not self._whole and not self._call.done():
+        """The caller is done with the call. One still running is stopped (the replica then aborts the request),
+        unless every choice's complete frame is in: the answer is whole, and only the RPC's status is left, in the
+        trailers that follow (often a wake later). Nothing after the answer would change it, so it is not waited
+        for, and the call is released to end on its own: a reset would cost the replica an abort of a finished
+        request."""
+        if not self._open:
+            self._call.release(TRAILERS_GRACE_S)
+        elif not self._call.done():
             self._call.cancel()
 
     async def deltas(self) -> AsyncGenerator[Delta, None]:
@@ -206,8 +210,7 @@ class WorkerCall:
                 if len(results) > 1:
                     yield Delta([], None, None, c.index, res)
                 if not self._open:
-                    self._finish_rpc()
-                    return
+                    return  # whole: `cancel` releases the call
             frame = await self._read()
         if len(results) > 1 and any(r.finish_reason == "abort" for r in results):
             # A replica that refuses a request (admission closed) answers one empty abort frame, whatever n.
@@ -302,13 +305,6 @@ class WorkerCall:
             f"worker {self.instance.id.base_worker_id} sent choice {index} of a request with n={len(self.results)}"
         )
         return self.error
-
-    def _finish_rpc(self) -> None:
-        """The answer is whole once every choice's complete frame is in: the RPC's status, in the trailers that
-        follow (often a wake later), is not waited for, since no status after the answer would change it. The
-        call ends on its own: a reset would cost the replica an abort of a finished request."""
-        self._whole = True
-        self._call.release(TRAILERS_GRACE_S)
 
 
 def _extend(res: Generation, ids: list[int], lps: list[float] | None, top) -> None:
