@@ -356,19 +356,16 @@ class Wrk:
 
     def _script(self, load: Load) -> Path:
         with self._lock:
-            return self._script_locked(load)
-
-    def _script_locked(self, load: Load) -> Path:
-        if load not in self.scripts:
-            path = self.tmp_dir / f"wrk_{load.name}_{len(self.scripts)}.lua"
-            body = load.body.decode()
-            assert "]==]" not in body
-            path.write_text(
-                'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-                f"wrk.body = [==[{body}]==]\n{_WRK_DONE}"
-            )
-            self.scripts[load] = path
-        return self.scripts[load]
+            if load not in self.scripts:
+                path = self.tmp_dir / f"wrk_{load.name}_{len(self.scripts)}.lua"
+                body = load.body.decode()
+                assert "]==]" not in body
+                path.write_text(
+                    'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+                    f"wrk.body = [==[{body}]==]\n{_WRK_DONE}"
+                )
+                self.scripts[load] = path
+            return self.scripts[load]
 
     def run(self, base_url: str, load: Load, conns: int, duration_s: float, timeout_s: float) -> LoadResult:
         threads = 1 if conns < 128 else 2  # one wrk thread drives 64 keep-alive connections far past any router here
@@ -1178,14 +1175,10 @@ def paired_ratios(legs: list[LegResult], args: argparse.Namespace) -> list[str]:
     concurrency."""
     if not (args.together or args.interleave):
         return []
+    ours = [x for x in legs if x.target.startswith("psrl")]
     others = [x for x in legs if x.target.startswith(("smg", "vllm-router"))]
-    lines = []
-    for leg in legs:
-        for base in others if leg.target.startswith("psrl") else []:
-            same = (base.section, base.load, base.conns) == (leg.section, leg.load, leg.conns)
-            if same and (paired := window_ratios(leg, base)):
-                lines.append(f"{leg.target} / {base.target} {leg.load} @{leg.conns}: {paired}")
-    return lines
+    pairs = [(a, b) for a in ours for b in others if (a.section, a.load, a.conns) == (b.section, b.load, b.conns)]
+    return [f"{a.target} / {b.target} {a.load} @{a.conns}: {r}" for a, b in pairs if (r := window_ratios(a, b))]
 
 
 def ab_ratios(legs: list[LegResult]) -> list[str]:
