@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Callable
 
@@ -17,10 +18,16 @@ def wait_for(predicate: Callable[[], object], what: str, timeout_s: float = 30.0
 
 
 async def until(condition: Callable[[], object], what: str, timeout_s: float = 10.0, poll_s: float = 0.005) -> None:
-    """Yield to the event loop until `condition()` holds; after `timeout_s`, an assertion error naming `what`."""
+    """Yield to the event loop until `condition()` holds (awaited when it is a coroutine function, as one that asks
+    a process over HTTP is); after `timeout_s`, an assertion error naming `what`."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    while not condition():
+
+    async def holds() -> object:
+        result = condition()
+        return await result if inspect.isawaitable(result) else result
+
+    while not await holds():
         if loop.time() > deadline:
             raise AssertionError(f"timed out waiting until {what}")
         await asyncio.sleep(poll_s)

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from _procs import Proc, start_replica, start_router
 from _vllm import greedy_request, start_vllm_replica
+from _wait import until
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
@@ -366,8 +367,7 @@ def test_through_the_router_a_synced_request_moves_its_kv(kv_router: Proc, vllm_
             task = asyncio.ensure_future(
                 client.post("/generate", json=body, headers={"x-request-id": "2", "x-prompt-id": "2"})
             )
-            while not await running():
-                await asyncio.sleep(0.01)
+            await until(running, "the request runs on a replica", timeout_s=60, poll_s=0.01)
             await asyncio.sleep(0.5)  # mid-decode, past the prompt's first block
             report = await coordinator.sync_weights(1, path=weights)
             assert report.aborted_requests == 1

@@ -15,6 +15,7 @@ import grpc
 import httpx
 import pytest
 from _procs import Proc, start_router
+from _wait import until
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from psrl._proto import replica_control_pb2 as rc
@@ -51,10 +52,15 @@ def _psrl(rid: int) -> dict[str, str]:
     return {"x-request-id": str(rid), "x-prompt-id": str(rid)}
 
 
-async def _replica_running(target: str) -> int:
-    async with grpc.aio.insecure_channel(target) as channel:
-        state = await rc_grpc.ReplicaControlStub(channel).GetSyncState(rc.GetSyncStateRequest(), timeout=5)
-    return state.running_requests
+async def _any_running(targets: list[str]) -> bool:
+    """Whether a request runs on one of these replicas (their GetSyncState)."""
+
+    async def running(target: str) -> int:
+        async with grpc.aio.insecure_channel(target) as channel:
+            state = await rc_grpc.ReplicaControlStub(channel).GetSyncState(rc.GetSyncStateRequest(), timeout=5)
+        return state.running_requests
+
+    return any(await asyncio.gather(*(running(t) for t in targets)))
 
 
 def test_sync_interrupts_a_request_that_finishes_with_the_same_ids(router: Proc, vllm_pair, weights) -> None:
@@ -71,8 +77,7 @@ def test_sync_interrupts_a_request_that_finishes_with_the_same_ids(router: Proc,
             assert len(set(reference["output_ids"])) > 5, "the test model must not repeat one token"
             task = asyncio.ensure_future(client.post("/generate", json=_body(n, PROMPTS[0]), headers=_psrl(2)))
             targets = [p.url.removeprefix("grpc://") for p in vllm_pair]
-            while not any(await asyncio.gather(*(_replica_running(t) for t in targets))):  # it reached vLLM
-                await asyncio.sleep(0.01)
+            await until(lambda: _any_running(targets), "the request reached vLLM", timeout_s=60, poll_s=0.01)
             await asyncio.sleep(0.2)  # mid-decode
             report = await coordinator.sync_weights(1, path=weights)
             assert report.aborted_requests == 1
@@ -105,8 +110,11 @@ def test_concurrent_requests_lose_no_token_over_three_syncs(router: Proc, weight
                 asyncio.ensure_future(client.post("/generate", json=_body(n, PROMPTS[i % 4]), headers=_psrl(200 + i)))
                 for i in range(16)
             ]
-            while (await client.get("/routing_loop/status")).json()["running_request_num"] < 8:
-                await asyncio.sleep(0.02)
+
+            async def half_running() -> bool:
+                return (await client.get("/routing_loop/status")).json()["running_request_num"] >= 8
+
+            await until(half_running, "8 of the requests run at once", timeout_s=120, poll_s=0.02)
             for version in (2, 3, 4):
                 await coordinator.sync_weights(version, path=weights)
                 await asyncio.sleep(0.2)  # the syncs spread over the load (what is tested), not back to back
@@ -155,8 +163,7 @@ def test_each_choice_of_an_n2_request_continues_over_a_sync(router: Proc, vllm_p
 
             task = asyncio.ensure_future(read())
             targets = [p.url.removeprefix("grpc://") for p in vllm_pair]
-            while not any(await asyncio.gather(*(_replica_running(t) for t in targets))):
-                await asyncio.sleep(0.01)
+            await until(lambda: _any_running(targets), "the stream reached vLLM", timeout_s=60, poll_s=0.01)
             await asyncio.sleep(0.2)  # mid-decode
             report = await coordinator.sync_weights(5, path=weights)
             assert report.aborted_requests >= 1

@@ -12,6 +12,7 @@ import httpx
 import pytest
 from _loads import wait_decoding
 from _procs import start_replica, start_router
+from _wait import until
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from psrl.coordinator import BlockingRolloutCoordinator, RolloutCoordinator, SyncError
@@ -121,8 +122,13 @@ def test_many_requests_survive_ten_syncs_with_real_weight_changes(fleet) -> None
             RolloutCoordinator(router.url) as coordinator,
         ):
             load = [asyncio.ensure_future(one(client, 1000 + i)) for i in range(64)]
-            while (await client.get("/routing_loop/status")).json()["running_request_num"] < 32:
-                await asyncio.sleep(0.02)
+
+            async def half_running() -> bool:
+                ended = [r.status_code for _, _, r in results]
+                assert not all(t.done() for t in load), f"the load ended before 32 of it ran at once: {ended}"
+                return (await client.get("/routing_loop/status")).json()["running_request_num"] >= 32
+
+            await until(half_running, "32 of the requests run at once", timeout_s=120, poll_s=0.02)
             for version in range(1, 11):
                 await asyncio.sleep(0.25)  # the syncs spread over the load (what is tested), not back to back
                 await coordinator.sync_weights(version, seed=version)

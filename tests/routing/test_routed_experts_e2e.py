@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from _moe import reference_routing
 from _procs import Proc, start_replica, start_router
+from _wait import until
 
 from psrl._proto import replica_control_pb2 as rc
 from psrl._proto import replica_control_pb2_grpc as rc_grpc
@@ -117,8 +118,7 @@ def test_a_request_a_sync_interrupts_merges_its_routing_exactly(moe_fleet, moe_d
             first = await client.post("/generate", json=body, headers=_psrl(1))
             assert first.status_code == 200, first.text
             task = asyncio.ensure_future(client.post("/generate", json=body, headers=_psrl(2)))
-            while not await running():
-                await asyncio.sleep(0.01)
+            await until(running, "the request runs on a replica", timeout_s=60, poll_s=0.01)
             await asyncio.sleep(0.2)  # mid-decode
             report = await coordinator.sync_weights(1, seed=0)  # the same weights: greedy goes on unchanged
             assert report.aborted_requests == 1
