@@ -12,6 +12,19 @@ _TRUE = frozenset({"1", "true", "t", "yes", "y"})
 _FALSE = frozenset({"0", "false", "f", "no", "n", ""})
 
 ROUTING_KEY_HEADER = "x-smg-routing-key"
+_HEADERS = frozenset(
+    (
+        "x-request-id",
+        "x-prompt-id",
+        "x-version-tag",
+        "x-base-worker-id",
+        "x-target-dp-rank",
+        "x-is-validate",
+        "x-is-sticky",
+        "x-force-pin-once",
+        ROUTING_KEY_HEADER,
+    )
+)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -69,6 +82,8 @@ def _bool(headers: Mapping[str, str], name: str) -> bool:
 
 def parse_routing_meta(headers: Mapping[str, str]) -> RoutingMeta:
     """Read the PSRL headers from a case-insensitive mapping (the router's asgi.Request headers: lower-case names)."""
+    if _HEADERS.isdisjoint(headers):
+        return NO_ROUTING_META  # most requests that are not PSRL's: nothing to read
     request_id = _int(headers, "x-request-id")
     prompt_id = _int(headers, "x-prompt-id")
     version = _int(headers, "x-version-tag")
