@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 
 from psrl.router.errors import BadRequest, PromptOverflow
 from psrl.router.pipeline.context import SamplingSpec
@@ -15,8 +16,14 @@ from psrl.tokenizer import ChatTemplateError, InvalidTextError, Tokenizer
 _OFF_LOOP_CHARS = 16_384
 
 
+# Request ids: 128 random bits, as a uuid4's hex. From a generator seeded once from the OS (and again in a
+# forked child): os.urandom is a system call per id. They need to be unique, not secret: a client may name its own.
+_ids = random.Random()
+os.register_at_fork(after_in_child=_ids.seed)
+
+
 def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{os.urandom(16).hex()}"  # 128 random bits, as a uuid4's hex, at a sixth of its cost
+    return f"{prefix}-{_ids.getrandbits(128):032x}"
 
 
 async def _encode(tokenizer: Tokenizer, text: str, param: str) -> list[int]:
