@@ -333,7 +333,7 @@ class Http1Protocol(ConnectionGuard, asyncio.Protocol):
         head = [STATUS_LINE[status], self._defaults, b"content-type: ", media_type.encode("latin-1"), _CRLF]
         if headers:
             for name, value in headers.items():
-                if _BAD_VALUE.search(value) is not None:
+                if not value.isprintable() and _BAD_VALUE.search(value) is not None:  # the common case: one C call
                     raise ValueError(f"response header {name!r} holds a control character")
                 head += (name.encode("latin-1"), b": ", value.encode("latin-1"), _CRLF)
         if not request.keep_alive or self._closing:
