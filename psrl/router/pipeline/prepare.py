@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
+from collections.abc import Iterator
 
 from psrl.router.errors import BadRequest, PromptOverflow
 from psrl.router.pipeline.context import SamplingSpec
@@ -16,14 +16,31 @@ from psrl.tokenizer import ChatTemplateError, InvalidTextError, Tokenizer
 _OFF_LOOP_CHARS = 16_384
 
 
-# Request ids: 128 random bits, as a uuid4's hex. From a generator seeded once from the OS (and again in a
-# forked child): os.urandom is a system call per id. They need to be unique, not secret: a client may name its own.
-_ids = random.Random()
-os.register_at_fork(after_in_child=_ids.seed)
+_IDS_PER_READ = 256  # request ids drawn from one os.urandom call
+
+
+def _random_hex_ids() -> Iterator[str]:
+    """128 bits from the OS each, as a uuid4's hex: unguessable, so that no client can name another's request
+    (a /generate may carry its own id), at one system call per _IDS_PER_READ ids instead of one per id."""
+    while True:
+        block = os.urandom(16 * _IDS_PER_READ).hex()
+        for start in range(0, len(block), 32):
+            yield block[start : start + 32]
+
+
+_ids = _random_hex_ids()
+
+
+def _fresh_ids() -> None:
+    global _ids
+    _ids = _random_hex_ids()  # a forked child must not hand out its parent's unused ids
+
+
+os.register_at_fork(after_in_child=_fresh_ids)
 
 
 def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{_ids.getrandbits(128):032x}"
+    return f"{prefix}-{next(_ids)}"
 
 
 async def _encode(tokenizer: Tokenizer, text: str, param: str) -> list[int]:
