@@ -103,16 +103,25 @@ class LabeledFunctionCounter(Collector):
         yield family
 
 
-class LoopCounter(Collector):
-    """A counter by labels, written by one thread (the event loop) with no lock: `inc` takes the label values in
-    the order of `labels`, as a tuple."""
+class _LoopMetric(Collector):
+    """A metric updated per request, written by one thread (the event loop) with no lock. Its series are keyed by
+    their label values, a tuple in the order of `labels`; each records when it began (prometheus_client's
+    `_created`)."""
 
-    def __init__(self, name: str, documentation: str, labels: Sequence[str] = ()) -> None:
+    def __init__(self, name: str, documentation: str, labels: Sequence[str]) -> None:
         self._name = name
         self._documentation = documentation
         self._labels = list(labels)
+        self._created: dict[tuple[str, ...], float] = {}
+
+    def _begin(self, values: tuple[str, ...]) -> None:
+        self._created[values] = time.time()
+
+
+class LoopCounter(_LoopMetric):
+    def __init__(self, name: str, documentation: str, labels: Sequence[str] = ()) -> None:
+        super().__init__(name, documentation, labels)
         self._counts: dict[tuple[str, ...], float] = {}
-        self._created: dict[tuple[str, ...], float] = {}  # when each series began, as prometheus_client reports
 
     def inc(self, values: tuple[str, ...] = (), amount: float = 1.0) -> None:
         counts = self._counts
@@ -120,7 +129,7 @@ class LoopCounter(Collector):
             counts[values] += amount
         else:
             counts[values] = amount
-            self._created[values] = time.time()
+            self._begin(values)
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         family = CounterMetricFamily(self._name, self._documentation, labels=self._labels)
@@ -129,24 +138,21 @@ class LoopCounter(Collector):
         yield family
 
 
-class LoopHistogram(Collector):
-    """A histogram by labels, written by one thread (the event loop) with no lock: per series, a count per bucket
-    (not cumulative: the one the value falls in) and the sum, made cumulative when scraped."""
+class LoopHistogram(_LoopMetric):
+    """Per series, a count per bucket (not cumulative: the one the value falls in) and the sum, made cumulative
+    when scraped."""
 
     def __init__(self, name: str, documentation: str, labels: Sequence[str], buckets: Sequence[float]) -> None:
-        self._name = name
-        self._documentation = documentation
-        self._labels = list(labels)
+        super().__init__(name, documentation, labels)
         self._bounds = (*(float(b) for b in buckets), float("inf"))
         self._les = [floatToGoString(b) for b in self._bounds]
         self._series: dict[tuple[str, ...], list[float]] = {}  # bucket counts, then the sum
-        self._created: dict[tuple[str, ...], float] = {}
 
     def observe(self, values: tuple[str, ...], value: float) -> None:
         series = self._series.get(values)
         if series is None:
             series = self._series[values] = [0.0] * (len(self._bounds) + 1)
-            self._created[values] = time.time()
+            self._begin(values)
         series[bisect_left(self._bounds, value)] += 1  # the first bucket whose bound is >= value
         series[-1] += value
 
