@@ -122,6 +122,8 @@ class LoopCounter(_LoopMetric):
     def __init__(self, name: str, documentation: str, labels: Sequence[str] = ()) -> None:
         super().__init__(name, documentation, labels)
         self._counts: dict[tuple[str, ...], float] = {}
+        if not self._labels:
+            self.inc(amount=0.0)  # an unlabelled counter is there from the start, at 0, as prometheus_client's is
 
     def inc(self, values: tuple[str, ...] = (), amount: float = 1.0) -> None:
         counts = self._counts

@@ -41,6 +41,7 @@ def test_a_counter_renders_as_prometheus_clients_own() -> None:
     ours.register(bare)
     reference = Counter("c", "doc", ["route", "status"], registry=theirs)
     reference_bare = Counter("tokens", "doc", registry=theirs)
+    assert _rendered(ours) == _rendered(theirs)  # before any update: no labelled series, the bare one at 0
     for labels, amount in [(("/a", "200"), 1), (("/a", "500"), 1), (("/a", "200"), 2.5), (("/b", "200"), 1)]:
         loop.inc(labels, amount)
         reference.labels(*labels).inc(amount)
