@@ -8,7 +8,8 @@ Two sections, each self-contained (it starts its backends and routers on 127.0.0
 - grpc: two reference replicas (`python -m psrl.worker`, VllmEngine over gRPC). Legs: our router and smg in gRPC
   mode. Loads: chat completions with max_tokens=1, and POST /generate with ~200 input_ids (where the router
   serves it). The tiny CPU model takes a share of the machine here, so read the router's CPU per request,
-  not the request rate.
+  not the request rate. With --floor, also bench/floor_router.py on /generate: the least a router on our
+  HTTP server and gRPC client does per request, so what our router spends beyond it is its middle.
 
 Every leg runs at each --connections value (default 64 and 1): a warm-up, then --repeat measured windows of
 --duration seconds (median reported, min-max shown). Before each window the bench waits (up to --quiet-wait s)
@@ -828,6 +829,11 @@ def router_targets(args: argparse.Namespace, section: str, urls: list[str]) -> l
         argv += ["--prometheus-host", HOST, "--prometheus-port", str(free_port()), "--log-level", "warn"]
         out.append((f"smg-{section}", argv + (["--disable-tokenizer-autoload"] if section == "http" else []), port))
 
+    if section == "grpc" and args.floor:
+        port = free_port()
+        argv = [sys.executable, str(REPO / "bench" / "floor_router.py"), "--host", HOST, "--port", str(port)]
+        out.append(("floor-grpc", [*argv, "--worker-urls", *urls], port))
+
     if section == "http":
         vr = find_tool("vllm-router")
         port = free_port()
@@ -885,6 +891,11 @@ def start_target(
     run: Run,
 ) -> tuple[Target, subprocess.Popen[bytes]] | None:
     """Launch one router and wait until it serves; None (noted) if it cannot."""
+    if name.startswith("floor"):  # it serves /generate only
+        loads = [load for load in loads if load.path == "/generate"]
+        if not loads:
+            note(run, section, name, "it serves /generate only (add `generate` to --loads)")
+            return None
     print(f"[{section}] {name}: {' '.join(argv)}", flush=True)
     expect = workers if name.startswith("psrl") else 0
     try:
@@ -1178,7 +1189,7 @@ def paired_ratios(legs: list[LegResult], args: argparse.Namespace) -> list[str]:
     concurrency."""
     if not (args.together or args.interleave):
         return []
-    ours = [x for x in legs if x.target.startswith("psrl")]
+    ours = [x for x in legs if x.target.startswith(("psrl", "floor"))]
     others = [x for x in legs if x.target.startswith(("smg", "vllm-router"))]
     pairs = [(a, b) for a in ours for b in others if (a.section, a.load, a.conns) == (b.section, b.load, b.conns)]
     return [f"{a.target} / {b.target} {a.load} @{a.conns}: {r}" for a, b in pairs if (r := window_ratios(a, b))]
@@ -1295,6 +1306,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true", help="one 2 s window per leg after 0.5 s warm-up")
     p.add_argument("--profile", action="store_true", help="py-spy our router under the highest concurrency")
+    p.add_argument("--floor", action="store_true", help="grpc section: add bench/floor_router.py (/generate only)")
     p.add_argument("--profile-duration", type=float, default=8.0)
     p.add_argument("--profile-top", type=int, default=15)
     p.add_argument("--torch-threads", type=int, default=1, help="for the reference replicas")

@@ -1,0 +1,114 @@
+"""The floor of a router built on our two edges, for `router_overhead.py --floor` (not a router: no checks, no
+selection, no partial rollout, no metrics). It answers `POST /generate` the cheapest way those edges allow:
+`psrl.serving.http1` reads the request, msgspec decodes its body, a Generate with its ids and two sampling
+settings goes round-robin to the replicas over the router's libcurl client (`psrl.router.grpc_stream`), and
+msgspec writes the answer from the complete frame. What our router spends beyond this leg is its middle: the
+pipeline, the checks, selection and shaping.
+
+Run: python bench/floor_router.py --host 127.0.0.1 --port 0 --worker-urls grpc://R1 grpc://R2
+It prints `FLOOR_ROUTER_READY http://HOST:PORT` on stdout once it listens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from typing import Any
+
+import msgspec
+import uvicorn
+from smg_grpc_proto.generated import vllm_engine_pb2
+
+from psrl.router.grpc_stream import CurlGrpc
+from psrl.router.worker_client import GENERATE_METHOD
+from psrl.serving.http1 import Request, Response, http1_protocol
+from psrl.serving.limits import HttpLimits
+from psrl.serving.server import AnnouncingServer, run_server
+
+READY_MARKER = "FLOOR_ROUTER_READY"
+
+
+class FloorRouter:
+    def __init__(self, worker_urls: list[str]) -> None:
+        self._targets = itertools.cycle([url.removeprefix("grpc://") for url in worker_urls])
+        self._ids = itertools.count()
+        self._curl = CurlGrpc()
+        self._decode = msgspec.json.Decoder().decode
+        self._encode = msgspec.json.Encoder().encode
+
+    async def handle(self, request: Request) -> Response:
+        if (request.method, request.path) != ("POST", "/generate"):
+            return self._error(404, f"only POST /generate is served, not {request.method} {request.path}")
+        try:
+            body = self._decode(request.body)
+            sampling = body.get("sampling_params") or {}
+            generate = vllm_engine_pb2.GenerateRequest(request_id=f"floor-{next(self._ids)}")
+            generate.tokenized.input_ids.extend(body["input_ids"])
+            generate.sampling_params.max_tokens = sampling.get("max_new_tokens", 128)
+            generate.sampling_params.temperature = sampling.get("temperature", 1.0)
+        except (msgspec.DecodeError, KeyError, TypeError, AttributeError) as e:
+            return self._error(400, f"unreadable /generate body: {e!r}")
+        call = self._curl.unary_stream(
+            next(self._targets), GENERATE_METHOD, generate, vllm_engine_pb2.GenerateResponse.FromString
+        )
+        frame = await call.read()
+        if frame is None or frame.WhichOneof("response") != "complete":
+            call.cancel()
+            return self._error(502, "the replica answered without a complete frame")
+        call.release(10.0)  # only its trailers are left
+        done = frame.complete
+        answer = {
+            "output_ids": list(done.output_ids),
+            "meta_info": {
+                "id": generate.request_id,
+                "finish_reason": done.finish_reason,
+                "prompt_tokens": done.prompt_tokens,
+                "completion_tokens": len(done.output_ids),
+            },
+        }
+        return Response(self._encode(answer), 200, "application/json", None)
+
+    @staticmethod
+    def _error(status: int, message: str) -> Response:
+        return Response(_render_error("floor_error", message), status, "application/json", None)
+
+
+def _render_error(code: str, message: str) -> bytes:
+    return json.dumps({"error": {"code": code, "message": message}}).encode()
+
+
+class _Lifespan:
+    """ASGI for uvicorn's lifespan only (requests reach `FloorRouter.handle` through http1)."""
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "lifespan.startup.complete"})
+        await receive()
+        await send({"type": "lifespan.shutdown.complete"})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--worker-urls", nargs="+", required=True)
+    args = p.parse_args()
+    floor = FloorRouter(args.worker_urls)
+    config = uvicorn.Config(
+        _Lifespan(),
+        host=args.host,
+        port=args.port,
+        loop="uvloop",
+        http=http1_protocol(floor.handle, HttpLimits(), _render_error),
+        ws="none",
+        proxy_headers=False,
+        server_header=False,
+        log_level="warning",
+        access_log=False,
+    )
+    run_server(AnnouncingServer(config, READY_MARKER, tune_gc=True))
+
+
+if __name__ == "__main__":
+    main()
