@@ -1,9 +1,11 @@
-"""Request ids: 128 random bits in hex, unique, and not repeated by a forked child."""
+"""Request ids: 128 random bits in hex, unique across threads, and not repeated by a forked child."""
 
 from __future__ import annotations
 
 import os
 import re
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from psrl.router.pipeline.prepare import new_request_id
 
@@ -26,3 +28,15 @@ def test_a_forked_child_does_not_repeat_its_parents_ids() -> None:
     os.close(read)
     assert status == 0
     assert child != new_request_id("x")  # the same generator state would give the same next id
+
+
+def test_threads_draw_ids_at_once_without_error_or_repeat() -> None:
+    """The read-ahead ids are shared: a thread drawing one while another refills must get its own."""
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can, to meet the refill
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            batches = list(pool.map(lambda _: [new_request_id("t") for _ in range(20_000)], range(8)))
+    finally:
+        sys.setswitchinterval(0.005)
+    ids = [i for batch in batches for i in batch]
+    assert len(set(ids)) == len(ids) == 160_000

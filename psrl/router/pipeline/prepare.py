@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
 
 from psrl.router.errors import BadRequest, PromptOverflow
 from psrl.router.pipeline.context import SamplingSpec
@@ -17,30 +16,20 @@ _OFF_LOOP_CHARS = 16_384
 
 
 _IDS_PER_READ = 256  # request ids drawn from one os.urandom call
-
-
-def _random_hex_ids() -> Iterator[str]:
-    """128 bits from the OS each, as a uuid4's hex: unguessable, so that no client can name another's request
-    (a /generate may carry its own id), at one system call per _IDS_PER_READ ids instead of one per id."""
-    while True:
-        block = os.urandom(16 * _IDS_PER_READ).hex()
-        for start in range(0, len(block), 32):
-            yield block[start : start + 32]
-
-
-_ids = _random_hex_ids()
-
-
-def _fresh_ids() -> None:
-    global _ids
-    _ids = _random_hex_ids()  # a forked child must not hand out its parent's unused ids
-
-
-os.register_at_fork(after_in_child=_fresh_ids)
+# Ids read ahead from the OS, 128 bits each as a uuid4's hex: unguessable, so that no client can name another's
+# request (a /generate may carry its own id), at one system call per _IDS_PER_READ ids. list.pop is atomic, so
+# threads may draw from it at once.
+_unread_ids: list[str] = []
+os.register_at_fork(after_in_child=_unread_ids.clear)  # a forked child must not hand out its parent's ids
 
 
 def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{next(_ids)}"
+    while True:
+        try:
+            return f"{prefix}-{_unread_ids.pop()}"
+        except IndexError:  # none left (another thread may have taken the last): read more
+            block = os.urandom(16 * _IDS_PER_READ).hex()
+            _unread_ids.extend(block[start : start + 32] for start in range(0, len(block), 32))
 
 
 async def _encode(tokenizer: Tokenizer, text: str, param: str) -> list[int]:
