@@ -21,6 +21,7 @@ import uvicorn
 from smg_grpc_proto.generated import vllm_engine_pb2
 
 from psrl.router.grpc_stream import CurlGrpc
+from psrl.router.pipeline.execute import TRAILERS_GRACE_S
 from psrl.router.worker_client import GENERATE_METHOD
 from psrl.serving.http1 import Request, Response, http1_protocol
 from psrl.serving.limits import HttpLimits
@@ -56,7 +57,7 @@ class FloorRouter:
         if frame is None or frame.WhichOneof("response") != "complete":
             call.cancel()
             return self._error(502, "the replica answered without a complete frame")
-        call.release(10.0)  # only its trailers are left
+        call.release(TRAILERS_GRACE_S)  # only its trailers are left, as the router releases its calls
         done = frame.complete
         answer = {
             "output_ids": list(done.output_ids),
