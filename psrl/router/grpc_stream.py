@@ -12,8 +12,10 @@ message and then None (grpc.aio: `EOF`), a failure is a `grpc.aio.AioRpcError` w
 the router maps errors one way for both clients), `cancel()` resets the stream (the replica sees a cancelled
 RPC and aborts the request), `initial_metadata()`, `wait_for_connection()` and `done()`. `release()` is
 ours: a caller with what it needs leaves the call to end on its own (no reset). Deadlines go out as
-`grpc-timeout` and are enforced here too. The control plane (registration, health, loads, aborts, KV events,
-the tokenizer) stays on grpc.aio: it is not per request.
+`grpc-timeout` and are enforced here too. A call that fails on a reused connection before any answer (the
+replica closed it while idle: it restarted, or went away without a GOAWAY) is sent again once, on a new
+connection, as a grpc.aio channel reconnects under its next call. The control plane (registration, health,
+loads, aborts, KV events, the tokenizer) stays on grpc.aio: it is not per request.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ _UNAVAILABLE = frozenset(
         92,  # CURLE_HTTP2_STREAM: the stream was reset (pycurl has no name for it)
     )
 )
+# How a call fails on a connection the replica closed while it was idle (a broken pipe, a reset, or nothing).
+_DEAD_CONNECTION = frozenset((pycurl.E_SEND_ERROR, pycurl.E_RECV_ERROR, pycurl.E_GOT_NOTHING))
 # gRPC's mapping of an HTTP status that is not 200 (doc/http-grpc-status-mapping.md).
 _HTTP_STATUS = {
     400: grpc.StatusCode.INTERNAL,
@@ -99,6 +103,7 @@ class StreamCall(Generic[M]):
         "_offset",
         "_owner",
         "_reaper",
+        "_resent",
         "_timeout_s",
         "_waiter",
         "target",
@@ -121,6 +126,7 @@ class StreamCall(Generic[M]):
         self._waiter: asyncio.Future[None] | None = None
         self._curl: pycurl.Curl | None = None
         self._reaper: asyncio.TimerHandle | None = None  # set by `release`
+        self._resent = False
 
     # ---- the caller's side -------------------------------------------------------------------------
 
@@ -228,6 +234,19 @@ class StreamCall(Generic[M]):
             del buf[:start]
             self._wake()
         return None
+
+    def _resend(self, errno: int) -> bool:
+        """Whether curl should send the call again, rewound: once, when it failed on a connection that curl
+        reused and found dead (see the module docstring). The replica cannot have read it: its socket was closed.
+        """
+        if self._resent or errno not in _DEAD_CONNECTION or self._lines or self._buf or self._messages:
+            return False
+        assert self._curl is not None
+        if self._curl.getinfo(pycurl.NUM_CONNECTS):  # it went out on a connection of its own: not a reused one
+            return False
+        self._resent = True
+        self._offset = 0
+        return True
 
     def _finished(self, errno: int, message: str) -> None:
         """curl ended the transfer: errno 0 when the HTTP/2 stream ended, whatever its gRPC status."""
@@ -484,6 +503,11 @@ class CurlGrpc:
     def _complete(self, multi: pycurl.CurlMulti, curl: pycurl.Curl, errno: int, message: str) -> None:
         call = self._calls.pop(curl, None)
         multi.remove_handle(curl)
+        if call is not None and errno and call._resend(errno):
+            logger.info("Generate to %s: its connection had closed (%s); sent again on a new one", call.target, message)
+            self._calls[curl] = call
+            multi.add_handle(curl)
+            return
         try:
             if call is not None:
                 call._finished(errno, message)

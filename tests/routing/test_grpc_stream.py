@@ -295,12 +295,16 @@ class _H2Replica(asyncio.Protocol):
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
+        self.closed = asyncio.Event()
         self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
         self.conn.initiate_connection()
         transport.write(self.conn.data_to_send())  # type: ignore[attr-defined]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed.set()
 
     def data_received(self, data: bytes) -> None:
         for event in self.conn.receive_data(data):
@@ -315,6 +319,15 @@ class _H2Replica(asyncio.Protocol):
                 elif self.mode == "odd-status":
                     self.conn.send_headers(sid, [(b":status", b"200"), (b"content-type", b"application/grpc")])
                     self.conn.send_headers(sid, [(b"grpc-status", b"\xb2")], end_stream=True)  # isdigit(), not int()
+                elif self.mode == "answer-then-hang-up":  # a replica that exits, without a GOAWAY, once it answered
+                    answer = pb.GenerateResponse(complete=pb.GenerateComplete(output_ids=[5], finish_reason="length"))
+                    payload = answer.SerializeToString()
+                    self.conn.send_headers(sid, [(b":status", b"200"), (b"content-type", b"application/grpc")])
+                    self.conn.send_data(sid, b"\0" + len(payload).to_bytes(4, "big") + payload)
+                    self.conn.send_headers(sid, [(b"grpc-status", b"0")], end_stream=True)
+                    self.transport.write(self.conn.data_to_send())  # type: ignore[attr-defined]
+                    self.transport.close()
+                    return
         self.transport.write(self.conn.data_to_send())  # type: ignore[attr-defined]
 
 
@@ -334,6 +347,28 @@ async def test_what_a_replica_does_only_in_races_still_ends_the_call(client: Cur
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await asyncio.wait_for(call.read(), 5)
         assert e.value.code() == code, e.value.details()
+    finally:
+        server.close()
+
+
+async def test_a_connection_the_replica_closed_while_idle_is_not_the_next_call_s_error(client: CurlGrpc) -> None:
+    """curl reuses a connection the replica closed while it was idle (it restarted, or went away without a
+    GOAWAY), and the call fails on it before the replica could read it: it goes out again on a new connection,
+    as a grpc.aio channel reconnects."""
+    peers: list[_H2Replica] = []
+
+    def peer() -> _H2Replica:
+        peers.append(_H2Replica("answer-then-hang-up"))
+        return peers[-1]
+
+    server = await asyncio.get_running_loop().create_server(peer, "127.0.0.1", 0)
+    try:
+        target = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        for i in range(4):
+            frames = await asyncio.wait_for(_frames(_call(client, target, _req(f"hang-up-{i}"), timeout_s=10)), 5)
+            assert [list(f.complete.output_ids) for f in frames] == [[5]]
+            await asyncio.wait_for(peers[-1].closed.wait(), 5)  # it hung up before the next call
+        assert len(peers) == 4  # one connection per call: none was sent twice on a live one
     finally:
         server.close()
 
