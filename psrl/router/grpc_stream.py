@@ -12,10 +12,11 @@ message and then None (grpc.aio: `EOF`), a failure is a `grpc.aio.AioRpcError` w
 the router maps errors one way for both clients), `cancel()` resets the stream (the replica sees a cancelled
 RPC and aborts the request), `initial_metadata()`, `wait_for_connection()` and `done()`. `release()` is
 ours: a caller with what it needs leaves the call to end on its own (no reset). Deadlines go out as
-`grpc-timeout` and are enforced here too. A call that fails on a reused connection before any answer (the
-replica closed it while idle: it restarted, or went away without a GOAWAY) is sent again once, on a new
-connection, as a grpc.aio channel reconnects under its next call. The control plane (registration, health,
-loads, aborts, KV events, the tokenizer) stays on grpc.aio: it is not per request.
+`grpc-timeout` and are enforced here too. A call that fails on a reused connection before any answer is sent
+again once, on a new connection, as a grpc.aio channel reconnects under its next call: curl reuses a connection
+that closed while idle without a GOAWAY (a replica killed, by the OOM killer say, and restarted on its port).
+The control plane (registration, health, loads, aborts, KV events, the tokenizer) stays on grpc.aio: it is not
+per request.
 """
 
 from __future__ import annotations
