@@ -238,8 +238,9 @@ class StreamCall(Generic[M]):
 
     def _resend(self, errno: int) -> bool:
         """Whether curl should send the call again, rewound: once, when it failed on a connection that curl
-        reused and found dead (see the module docstring). The replica cannot have read it: its socket was closed.
-        """
+        reused and found dead (see the module docstring), with nothing back. Mostly the replica never read it (its
+        socket was closed before). One that read it and died before answering is gone: the new connection finds
+        it so (UNAVAILABLE), or finds it restarted, and running the request there is what a retry would do."""
         if self._resent or errno not in _DEAD_CONNECTION or self._lines or self._buf or self._messages:
             return False
         assert self._curl is not None
