@@ -4,6 +4,7 @@ on our vLLM replica, and PSRL requests on a vLLM replica killed mid-decode conti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -212,3 +213,61 @@ async def test_a_released_generate_ends_on_its_own(replica: Proc) -> None:
             assert call._call._error is None  # its own OK status: neither reset nor failed
     finally:
         await clients.close()
+
+
+class _Relay:
+    """A TCP relay to a replica that can drop its connections while they are idle, as a load balancer that
+    reaps idle connections, or a killed replica's kernel, closes them: without an HTTP/2 GOAWAY."""
+
+    def __init__(self, target: str) -> None:
+        self.host, port = target.rsplit(":", 1)
+        self.port = int(port)
+        self.accepted = 0
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return f"grpc://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        up_reader, up_writer = await asyncio.open_connection(self.host, self.port)
+        self._writers += [writer, up_writer]
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+
+    def drop(self) -> None:
+        for writer in self._writers:
+            writer.close()
+        self._writers.clear()
+
+    def close(self) -> None:
+        self.drop()
+        self._server.close()
+
+
+async def test_a_connection_closed_while_idle_is_not_the_next_generate_s_error(replica: Proc) -> None:
+    """The router's connection to a vLLM replica closes while idle, with no GOAWAY (here a relay drops it): the
+    next Generate goes out on a new connection and is answered, not failed on the dead one."""
+    relay = _Relay(replica.url.removeprefix("grpc://"))
+    url = await relay.start()
+    [instance] = WorkerRegistry().create_worker("v", url, models=["m"], labels={}).instances
+    clients = WorkerClients()
+    try:
+        for i in range(3):
+            call = await _whole_answer(clients, instance, f"dropped-{i}-{os.getpid()}", stream=False)
+            while not call._call.done():  # the trailers too: the connection is idle
+                await asyncio.sleep(0.01)
+            relay.drop()
+            await asyncio.sleep(0.1)  # the close reaches the router's socket
+        assert relay.accepted == 3  # each call after a drop on a new connection
+    finally:
+        await clients.close()
+        relay.close()

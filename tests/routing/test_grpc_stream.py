@@ -300,6 +300,9 @@ class _H2Replica(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
+        if self.mode == "hang-up-at-once":  # a replica that dies as each connection comes
+            transport.close()
+            return
         self.conn.initiate_connection()
         transport.write(self.conn.data_to_send())  # type: ignore[attr-defined]
 
@@ -369,6 +372,27 @@ async def test_a_connection_the_replica_closed_while_idle_is_not_the_next_call_s
             assert [list(f.complete.output_ids) for f in frames] == [[5]]
             await asyncio.wait_for(peers[-1].closed.wait(), 5)  # it hung up before the next call
         assert len(peers) == 4  # one connection per call: none was sent twice on a live one
+    finally:
+        server.close()
+
+
+async def test_a_call_sent_again_that_fails_again_is_unavailable(client: CurlGrpc) -> None:
+    """The replica that closed the connection is gone for good: the call goes out once more, and fails."""
+    peers: list[_H2Replica] = []
+
+    def peer() -> _H2Replica:
+        peers.append(_H2Replica("hang-up-at-once" if peers else "answer-then-hang-up"))
+        return peers[-1]
+
+    server = await asyncio.get_running_loop().create_server(peer, "127.0.0.1", 0)
+    try:
+        target = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        await asyncio.wait_for(_frames(_call(client, target, _req("before"), timeout_s=10)), 5)
+        await asyncio.wait_for(peers[0].closed.wait(), 5)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await asyncio.wait_for(_call(client, target, _req("after"), timeout_s=10).read(), 5)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+        assert len(peers) == 2  # sent again once, on one new connection
     finally:
         server.close()
 
