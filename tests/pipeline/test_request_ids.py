@@ -32,11 +32,12 @@ def test_a_forked_child_does_not_repeat_its_parents_ids() -> None:
 
 def test_threads_draw_ids_at_once_without_error_or_repeat() -> None:
     """The read-ahead ids are shared: a thread drawing one while another refills must get its own."""
+    interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can, to meet the refill
     try:
         with ThreadPoolExecutor(8) as pool:
             batches = list(pool.map(lambda _: [new_request_id("t") for _ in range(20_000)], range(8)))
     finally:
-        sys.setswitchinterval(0.005)
+        sys.setswitchinterval(interval)
     ids = [i for batch in batches for i in batch]
     assert len(set(ids)) == len(ids) == 160_000
