@@ -3,9 +3,13 @@ non-zero (as `uvicorn.run` does)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import gc
 import socket
 import sys
+from collections.abc import Callable
 
 import uvicorn
 from uvicorn.main import STARTUP_FAILURE
@@ -24,9 +28,15 @@ class AnnouncingServer(uvicorn.Server):
       hundred containers) keep passing it: every collection walked all their live objects, and moved them to
       the older generations to be walked again. That cost the router about 30 us a request at 64 connections.
       Freed request state now keeps the count down, and what grows it is garbage refcounting cannot free
-      (cycles): at most that many objects of it wait for a collection."""
+      (cycles): at most that many objects of it wait for a collection.
+
+    uvicorn's main loop wakes ten times a second to see whether `should_exit` was set; this one sleeps until it
+    is set (by a signal, or by whoever holds the server) and wakes once a second only to refresh the `date`
+    header. An idle process's wakes are its CPU: the router's idle CPU went from 2.0 to 0.5 ms/s."""
 
     YOUNG_THRESHOLD = 10_000
+    TICK_S = 1.0  # between two of uvicorn's ticks (the date header is refreshed on each)
+    _wake: Callable[[], object] | None = None  # set while main_loop runs: ends its wait, from any thread
 
     def __init__(self, config: uvicorn.Config, marker: str, *, tune_gc: bool = False) -> None:
         super().__init__(config)
@@ -43,6 +53,29 @@ class AnnouncingServer(uvicorn.Server):
             gc.set_threshold(self.YOUNG_THRESHOLD, *gc.get_threshold()[1:])
         port = self.servers[0].sockets[0].getsockname()[1]
         print(f"{self.marker} http://{self.config.host}:{port}", flush=True)
+
+    @property  # uvicorn.Server's attribute; setting it also wakes main_loop
+    def should_exit(self) -> bool:
+        return self._should_exit
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        self._should_exit = value
+        if value and self._wake is not None:
+            self._wake()
+
+    async def main_loop(self) -> None:
+        """uvicorn's `main_loop`, woken by `should_exit` rather than polling it: each pass is one of uvicorn's
+        once-a-second ticks (the date header, the request limit, the exit check)."""
+        exiting = asyncio.Event()
+        self._wake = functools.partial(asyncio.get_running_loop().call_soon_threadsafe, exiting.set)
+        try:
+            while not await self.on_tick(0):  # tick 0: uvicorn's counter at a whole second
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.TICK_S):
+                        await exiting.wait()
+        finally:
+            self._wake = None
 
 
 def run_server(server: AnnouncingServer) -> None:
