@@ -18,11 +18,13 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from email.utils import parsedate_to_datetime
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import uvicorn
+from _procs import REPO, popen, read_ready_line
 
 from psrl.serving.server import AnnouncingServer
 
@@ -48,10 +50,11 @@ async def _app(scope, receive, send) -> None:  # a plain ASGI app: the server is
 
 class _CountingServer(AnnouncingServer):
     ticks = 0
+    MAX_TICKS = 1000  # past it the server ends itself, so a loop that spins fails its test instead of hanging it
 
     async def on_tick(self, counter: int) -> bool:
         self.ticks += 1
-        return await super().on_tick(counter)
+        return self.ticks > self.MAX_TICKS or await super().on_tick(counter)
 
 
 @contextlib.asynccontextmanager
@@ -138,6 +141,15 @@ async def test_told_to_exit_the_server_ends_without_waiting_for_a_tick(how: Call
         assert server.ticks == ticks + 1  # the exit check, on the wake the setting made
 
 
+async def test_an_exit_called_off_before_the_server_saw_it_leaves_it_serving_without_spinning() -> None:
+    async with _serving(tick_s=3600.0) as (server, task):
+        ticks = server.ticks
+        server.should_exit = True  # wakes the main loop ...
+        server.should_exit = False  # ... which then finds nothing to do
+        await asyncio.sleep(0.5)
+        assert not task.done() and server.ticks == ticks + 1  # one look, then asleep again
+
+
 _SERVE_FOR_AN_HOUR_A_TICK = """
 import uvicorn
 from psrl.serving.server import AnnouncingServer, run_server
@@ -151,10 +163,13 @@ run_server(server)
 """
 
 
-def test_a_sigterm_ends_the_server_without_waiting_for_a_tick() -> None:
-    proc = subprocess.Popen([sys.executable, "-c", _SERVE_FOR_AN_HOUR_A_TICK], stdout=subprocess.PIPE, text=True)
+def test_a_sigterm_ends_the_server_without_waiting_for_a_tick(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    proc = popen(
+        [sys.executable, "-c", _SERVE_FOR_AN_HOUR_A_TICK], stdout=subprocess.PIPE, stderr=log.open("wb"), cwd=REPO
+    )
     try:
-        assert proc.stdout is not None and proc.stdout.readline().startswith("READY http://")
+        read_ready_line(proc, log, "READY", timeout_s=60)
         proc.send_signal(signal.SIGTERM)
         # uvicorn raises the signal again once it has shut down, so the process ends by it
         assert proc.wait(timeout=30) == -signal.SIGTERM
