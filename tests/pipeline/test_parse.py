@@ -129,6 +129,16 @@ def test_generate_shape() -> None:
         P.parse_generate({"input_ids": [1], "sampling_params": {"n": 129}})
 
 
+def test_sampling_fields_read_only_when_present() -> None:
+    """Absent and null fields keep the spec's defaults; the seed is bounded by n whatever the body's order."""
+    sp = {"seed": 2**31 - 2, "temperature": None, "top_p": None, "n": 2, "skip_special_tokens": False}
+    s = P.parse_generate({"input_ids": [1], "sampling_params": sp}).sampling
+    assert (s.seed, s.n, s.temperature, s.top_p, s.skip_special_tokens) == (2**31 - 2, 2, None, 1.0, False)
+    assert P.parse_generate({"input_ids": [1]}).sampling == SamplingSpec(max_tokens=P.GENERATE_DEFAULT_MAX_NEW_TOKENS)
+    with pytest.raises(BadRequest, match="'seed' \\+ n - 1"):
+        P.parse_chat({"messages": MSG, "seed": 2**31 - 1, "top_p": 0.5, "n": 2})
+
+
 def test_n_and_stop_strings() -> None:
     chat = P.parse_chat({"messages": [{"role": "user", "content": "hi"}], "n": 3, "stop": "x"})
     assert chat.sampling.n == 3 and chat.sampling.stop == ["x"] and not chat.sampling.include_stop_str_in_output

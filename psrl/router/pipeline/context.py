@@ -36,22 +36,32 @@ class SamplingSpec:
     n: int = 1  # choices sampled from the one prompt
 
     def write_to(self, p: vllm_engine_pb2.SamplingParams) -> None:
-        """Set these settings on `p`, a GenerateRequest's own submessage (GenerationInput.to_proto)."""
+        """Set these settings on `p`, a GenerateRequest's own submessage (GenerationInput.to_proto). A plain
+        proto3 field left at its zero is not on the wire whether set or not, so only the others are set: each
+        assignment costs a call into protobuf, and most requests change two or three settings."""
         p.top_p = self.top_p
-        p.top_k = max(self.top_k, 0)
-        p.min_p = self.min_p
-        p.min_tokens = self.min_tokens
+        p.repetition_penalty = self.repetition_penalty
+        p.skip_special_tokens = self.skip_special_tokens
+        p.n = self.n
+        if self.top_k > 0:
+            p.top_k = self.top_k
+        if self.min_p:
+            p.min_p = self.min_p
+        if self.min_tokens:
+            p.min_tokens = self.min_tokens
         if self.stop:
             p.stop.extend(self.stop)
-        p.include_stop_str_in_output = self.include_stop_str_in_output
+        if self.include_stop_str_in_output:
+            p.include_stop_str_in_output = True
         if self.stop_token_ids:
             p.stop_token_ids.extend(self.stop_token_ids)
-        p.ignore_eos = self.ignore_eos
-        p.skip_special_tokens = self.skip_special_tokens
-        p.repetition_penalty = self.repetition_penalty
-        p.presence_penalty = self.presence_penalty
-        p.frequency_penalty = self.frequency_penalty
-        p.n = self.n
+        if self.ignore_eos:
+            p.ignore_eos = True
+        if self.presence_penalty:
+            p.presence_penalty = self.presence_penalty
+        if self.frequency_penalty:
+            p.frequency_penalty = self.frequency_penalty
+        # proto3 `optional`: set means present, 0 included.
         if self.temperature is not None:
             p.temperature = self.temperature
         if self.max_tokens is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import array
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,27 +193,38 @@ def get_stop(body: dict[str, Any]) -> list[str]:
     return stops
 
 
+# The sampling fields every text API shares, each with its reader (the value it gives a null field is the
+# spec's default). Only the fields a body has are read: most requests set two or three of them.
+_SAMPLING_READERS: dict[str, Callable[[dict[str, Any], str], Any]] = {
+    "temperature": lambda b, k: get_float(b, k, None, minimum=0.0),
+    "top_p": lambda b, k: get_float(b, k, 1.0, minimum=0.0, maximum=1.0, exclusive_min=True),
+    "top_k": lambda b, k: _top_k(b),
+    "min_p": lambda b, k: get_float(b, k, 0.0, minimum=0.0, maximum=1.0),
+    "min_tokens": lambda b, k: get_int(b, k, 0, minimum=0, maximum=UINT32_MAX),
+    "stop": lambda b, k: get_stop(b),
+    "include_stop_str_in_output": lambda b, k: get_bool(b, k, False),
+    "stop_token_ids": lambda b, k: [] if b[k] is None else get_token_ids(b[k], k),
+    "ignore_eos": lambda b, k: get_bool(b, k, False),
+    "skip_special_tokens": lambda b, k: get_bool(b, k, True),
+    "repetition_penalty": lambda b, k: get_float(b, k, 1.0, minimum=0.0, exclusive_min=True),
+    "presence_penalty": lambda b, k: get_float(b, k, 0.0, minimum=-2.0, maximum=2.0),
+    "frequency_penalty": lambda b, k: get_float(b, k, 0.0, minimum=-2.0, maximum=2.0),
+    "n": lambda b, k: get_int(b, k, 1, minimum=1, maximum=MAX_N),
+}
+
+
 def _common_sampling(body: dict[str, Any], max_tokens: int | None) -> SamplingSpec:
-    stop_ids = _present(body, "stop_token_ids")
-    n = get_int(body, "n", 1, minimum=1, maximum=MAX_N) or 1  # before the seed: choice i samples with seed + i
-    return SamplingSpec(
-        temperature=get_float(body, "temperature", None, minimum=0.0),
-        top_p=get_float(body, "top_p", 1.0, minimum=0.0, maximum=1.0, exclusive_min=True) or 1.0,
-        top_k=_top_k(body),
-        min_p=get_float(body, "min_p", 0.0, minimum=0.0, maximum=1.0) or 0.0,
-        max_tokens=max_tokens,
-        min_tokens=get_int(body, "min_tokens", 0, minimum=0, maximum=UINT32_MAX) or 0,
-        stop=get_stop(body),
-        include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
-        stop_token_ids=[] if stop_ids is _MISSING else get_token_ids(stop_ids, "stop_token_ids"),
-        ignore_eos=get_bool(body, "ignore_eos", False),
-        skip_special_tokens=get_bool(body, "skip_special_tokens", True),
-        seed=_seed(body, n),
-        repetition_penalty=get_float(body, "repetition_penalty", 1.0, minimum=0.0, exclusive_min=True) or 1.0,
-        presence_penalty=get_float(body, "presence_penalty", 0.0, minimum=-2.0, maximum=2.0) or 0.0,
-        frequency_penalty=get_float(body, "frequency_penalty", 0.0, minimum=-2.0, maximum=2.0) or 0.0,
-        n=n,
-    )
+    """The shared sampling fields, checked in the body's order; `seed` after the others, as its bound depends
+    on `n` (choice i samples with seed + i)."""
+    spec = SamplingSpec(max_tokens=max_tokens)
+    readers = _SAMPLING_READERS
+    for name in body:
+        read = readers.get(name)
+        if read is not None:
+            setattr(spec, name, read(body, name))
+    if "seed" in body:
+        spec.seed = _seed(body, spec.n)
+    return spec
 
 
 def _top_k(body: dict[str, Any]) -> int:
@@ -471,7 +483,7 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequestBody:
             raise BadRequest("'text' must be a string or a list of strings", param="text")
     else:
         raise BadRequest("one of 'input_ids' or 'text' is required", param="input_ids")
-    if any(len(p) == 0 for p in prompts):
+    if not all(prompts):
         raise BadRequest("prompt is empty", param="input_ids")
 
     rid = _present(body, "request_id")
