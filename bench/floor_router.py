@@ -1,9 +1,9 @@
 """The floor of a router built on our two edges, for `router_overhead.py --floor` (not a router: no checks, no
 selection, no partial rollout, no metrics). It answers `POST /generate` the cheapest way those edges allow:
-`psrl.serving.http1` reads the request, msgspec decodes its body, a Generate with its ids and two sampling
-settings goes round-robin to the replicas over the router's libcurl client (`psrl.router.grpc_stream`), and
-msgspec writes the answer from the complete frame. What our router spends beyond this leg is its middle: the
-pipeline, the checks, selection and shaping.
+`psrl.serving.http1` reads the request, msgspec decodes its body, a Generate with its ids (packed by
+`psrl._wire`, as the router packs them) and two sampling settings goes round-robin to the replicas over the
+router's libcurl client (`psrl.router.grpc_stream`), and msgspec writes the answer from the complete frame. What
+our router spends beyond this leg is its middle: the pipeline, the checks, selection and shaping.
 
 Run: python bench/floor_router.py --host 127.0.0.1 --port 0 --worker-urls grpc://R1 grpc://R2
 It prints `FLOOR_ROUTER_READY http://HOST:PORT` on stdout once it listens.
@@ -20,6 +20,7 @@ import msgspec
 import uvicorn
 from smg_grpc_proto.generated import vllm_engine_pb2
 
+from psrl._wire import packed_uint32
 from psrl.router.grpc_stream import CurlGrpc
 from psrl.router.pipeline.execute import TRAILERS_GRACE_S
 from psrl.router.worker_client import GENERATE_METHOD
@@ -28,6 +29,7 @@ from psrl.serving.limits import HttpLimits
 from psrl.serving.server import AnnouncingServer, run_server
 
 READY_MARKER = "FLOOR_ROUTER_READY"
+_INPUT_IDS_FIELD = vllm_engine_pb2.TokenizedInput.DESCRIPTOR.fields_by_name["input_ids"].number
 
 
 class FloorRouter:
@@ -45,10 +47,10 @@ class FloorRouter:
             body = self._decode(request.body)
             sampling = body.get("sampling_params") or {}
             generate = vllm_engine_pb2.GenerateRequest(request_id=f"floor-{next(self._ids)}")
-            generate.tokenized.input_ids.extend(body["input_ids"])
+            generate.tokenized.MergeFromString(packed_uint32(_INPUT_IDS_FIELD, body["input_ids"]))
             generate.sampling_params.max_tokens = sampling.get("max_new_tokens", 128)
             generate.sampling_params.temperature = sampling.get("temperature", 1.0)
-        except (msgspec.DecodeError, KeyError, TypeError, AttributeError) as e:
+        except (msgspec.DecodeError, KeyError, TypeError, OverflowError, AttributeError) as e:
             return self._error(400, f"unreadable /generate body: {e!r}")
         call = self._curl.unary_stream(
             next(self._targets), GENERATE_METHOD, generate, vllm_engine_pb2.GenerateResponse.FromString

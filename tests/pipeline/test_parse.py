@@ -129,6 +129,24 @@ def test_generate_shape() -> None:
         P.parse_generate({"input_ids": [1], "sampling_params": {"n": 129}})
 
 
+@pytest.mark.parametrize(
+    ("ids", "needle"),
+    [
+        ([1, True], "must be a list of integer token ids .item 1 is bool"),
+        ([1, 2.5], "must be a list of integer token ids .item 1 is float"),
+        ([[1], ["a"]], "item 0 is str"),
+        ([3, -1], "negative or too large token id .item 1"),
+        ([2**32], "negative or too large"),
+    ],
+)
+def test_generate_token_ids_are_checked(ids: list, needle: str) -> None:
+    with pytest.raises(BadRequest, match=needle) as e:
+        P.parse_generate({"input_ids": ids})
+    assert e.value.param == "input_ids"
+    with pytest.raises(BadRequest, match="stop_token_ids"):
+        P.parse_generate({"input_ids": [1], "sampling_params": {"stop_token_ids": ids}})
+
+
 def test_sampling_fields_read_only_when_present() -> None:
     """Absent and null fields keep the spec's defaults; the seed is bounded by n whatever the body's order."""
     sp = {"seed": 2**31 - 2, "temperature": None, "top_p": None, "n": 2, "skip_special_tokens": False}

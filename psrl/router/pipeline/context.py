@@ -10,7 +10,10 @@ from typing import Any
 import numpy as np
 from smg_grpc_proto.generated import vllm_engine_pb2
 
+from psrl._wire import packed_uint32
 from psrl.router.errors import BadRequest
+
+_INPUT_IDS_FIELD = vllm_engine_pb2.TokenizedInput.DESCRIPTOR.fields_by_name["input_ids"].number
 
 
 @dataclass
@@ -125,10 +128,10 @@ class GenerationInput:
         )
         request.sampling_params.SetInParent()  # present even if every setting were proto3's default
         try:
-            request.tokenized.input_ids.extend(self.prompt_ids)
-            self.sampling.write_to(request.sampling_params)
-        except TypeError as e:  # JSON true/false in a token-id list: array('I') took them as 1/0, protobuf does not
-            raise BadRequest(f"token ids must be integers, not booleans: {e}") from None
+            request.tokenized.MergeFromString(packed_uint32(_INPUT_IDS_FIELD, self.prompt_ids))
+        except (TypeError, OverflowError) as e:  # parse checked a client's ids already: a bug upstream
+            raise BadRequest(f"the prompt's token ids are not uint32s: {e}") from None
+        self.sampling.write_to(request.sampling_params)
         # proto3 `optional`: assigning "" marks the field present, and vLLM's servicer then parses it as JSON.
         if self.kv_transfer_params_json:
             request.kv_transfer_params_json = self.kv_transfer_params_json

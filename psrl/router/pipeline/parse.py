@@ -3,12 +3,12 @@ BadRequest naming it."""
 
 from __future__ import annotations
 
-import array
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from psrl._wire import packed_uint32
 from psrl.router.errors import BadRequest, PayloadTooLarge
 from psrl.router.pipeline.context import SamplingSpec
 from psrl.router.pipeline.tool_choice import ConstrainedSampling, ToolChoice, hermes_structural_tag, parse_tool_choice
@@ -127,16 +127,15 @@ def get_str(body: dict[str, Any], name: str, default: str | None) -> str | None:
 
 
 def get_token_ids(value: Any, name: str) -> list[int]:
-    """Validated in C: array('I') refuses non-integers and anything outside [0, 2**32). It takes true/false as
-    1/0: those are refused where the request becomes a proto (GenerationInput.to_proto), at no cost here."""
+    """Checked in C as the Generate request will carry them (psrl._wire): ints, not booleans, in [0, 2**32)."""
     if not isinstance(value, list):
         raise BadRequest(f"'{name}' must be a list of integer token ids", param=name)
     try:
-        array.array("I", value)
-    except TypeError:
-        raise BadRequest(f"'{name}' must be a list of integer token ids", param=name) from None
-    except OverflowError:
-        raise BadRequest(f"'{name}' holds a negative or too large token id", param=name) from None
+        packed_uint32(1, value)
+    except TypeError as e:
+        raise BadRequest(f"'{name}' must be a list of integer token ids ({e})", param=name) from None
+    except OverflowError as e:
+        raise BadRequest(f"'{name}' holds a negative or too large token id ({e})", param=name) from None
     return value
 
 

@@ -1,0 +1,108 @@
+/* psrl._wire: token ids as a protobuf packed field, checked and encoded in one pass.
+ *
+ * A Generate request carries its prompt as `repeated uint32 input_ids`, packed. Given a Python list,
+ * protobuf's Python API converts the ids one at a time through its generic path (some 200 instructions
+ * an id, more than the rest of the request's building), and the router checked them once before that.
+ * Here each id is checked and written as a varint directly; the caller merges the field into its
+ * message (protobuf's parser reads a packed field at a few instructions an id).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_VARINT 10 /* bytes of a 64-bit varint */
+#define MAX_UINT32_VARINT 5
+#define MAX_FIELD_NUMBER 536870911UL /* 2**29 - 1 */
+
+static Py_ssize_t put_varint(uint8_t *out, uint64_t value) {
+    Py_ssize_t n = 0;
+    while (value >= 0x80) {
+        out[n++] = (uint8_t)(value | 0x80);
+        value >>= 7;
+    }
+    out[n++] = (uint8_t)value;
+    return n;
+}
+
+PyDoc_STRVAR(packed_uint32_doc,
+             "packed_uint32(field_number, values, /) -> bytes\n\n"
+             "`values` (a list of int in [0, 2**32)) as the packed repeated uint32 field `field_number`:\n"
+             "its tag, its length and the values as varints (nothing for no values), ready for a\n"
+             "message's MergeFromString. TypeError for an item that is not an int (a bool included),\n"
+             "OverflowError for one out of range; either names the item's index.");
+
+static PyObject *packed_uint32(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "packed_uint32() takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    unsigned long field = PyLong_AsUnsignedLong(args[0]);
+    if (field == (unsigned long)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (field < 1 || field > MAX_FIELD_NUMBER) {
+        PyErr_Format(PyExc_ValueError, "field number %lu is not in [1, 2**29)", field);
+        return NULL;
+    }
+    PyObject *values = args[1];
+    if (!PyList_Check(values)) {
+        PyErr_Format(PyExc_TypeError, "values must be a list, not %.100s", Py_TYPE(values)->tp_name);
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(values);
+    if (n == 0) {
+        return PyBytes_FromStringAndSize(NULL, 0); /* as protobuf writes an empty packed field: not at all */
+    }
+    const Py_ssize_t head_room = 2 * MAX_VARINT;
+    if (n > (PY_SSIZE_T_MAX - head_room) / MAX_UINT32_VARINT) {
+        return PyErr_NoMemory();
+    }
+    /* The payload goes after room for the tag and the length; both are then written just before it. */
+    PyObject *out = PyBytes_FromStringAndSize(NULL, head_room + MAX_UINT32_VARINT * n);
+    if (out == NULL) {
+        return NULL;
+    }
+    uint8_t *buf = (uint8_t *)PyBytes_AS_STRING(out);
+    uint8_t *payload = buf + head_room;
+    Py_ssize_t length = 0;
+    /* No Python code runs in this loop (an int's value is read directly), so the list cannot change under it. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(values, i);
+        if (!PyLong_Check(item) || PyBool_Check(item)) {
+            PyErr_Format(PyExc_TypeError, "item %zd is %.100s, not an integer", i, Py_TYPE(item)->tp_name);
+            Py_DECREF(out);
+            return NULL;
+        }
+        unsigned long value = PyLong_AsUnsignedLong(item);
+        if ((value == (unsigned long)-1 && PyErr_Occurred()) || value > 0xFFFFFFFFUL) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_OverflowError, "item %zd is not in [0, 2**32)", i);
+            Py_DECREF(out);
+            return NULL;
+        }
+        length += put_varint(payload + length, value);
+    }
+    uint8_t head[2 * MAX_VARINT];
+    Py_ssize_t head_len = put_varint(head, ((uint64_t)field << 3) | 2); /* wire type 2: length-delimited */
+    head_len += put_varint(head + head_len, (uint64_t)length);
+    memcpy(buf, head, (size_t)head_len);
+    memmove(buf + head_len, payload, (size_t)length);
+    if (_PyBytes_Resize(&out, head_len + length) < 0) {
+        return NULL;
+    }
+    return out;
+}
+
+static PyMethodDef wire_methods[] = {
+    {"packed_uint32", (PyCFunction)(void (*)(void))packed_uint32, METH_FASTCALL, packed_uint32_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef wire_module = {
+    PyModuleDef_HEAD_INIT, "_wire", "Protobuf wire helpers for the router's hot path.", 0, wire_methods,
+    NULL,                  NULL,    NULL,                                              NULL,
+};
+
+PyMODINIT_FUNC PyInit__wire(void) { return PyModuleDef_Init(&wire_module); }

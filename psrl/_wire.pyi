@@ -1,0 +1,6 @@
+# Types of the native module built from csrc/wire.c; keep the two in step.
+
+def packed_uint32(field_number: int, values: list[int], /) -> bytes:
+    """`values` (ints in [0, 2**32)) as the packed repeated uint32 field `field_number`: its tag, its length and
+    the varints (nothing for no values), ready for a message's MergeFromString. TypeError for an item that is
+    not an int (a bool included), OverflowError for one out of range; either names the item's index."""

@@ -1,0 +1,62 @@
+"""psrl._wire: token ids as protobuf's own packed field, every bad id refused by index."""
+
+from __future__ import annotations
+
+import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2
+
+from psrl._wire import packed_uint32
+from psrl.router.pipeline.context import GenerationInput, SamplingSpec
+
+INPUT_IDS = vllm_engine_pb2.TokenizedInput.DESCRIPTOR.fields_by_name["input_ids"].number
+# Each varint length's first and last value, up to uint32's last.
+EDGES = [0, 1, 127, 128, 2**14 - 1, 2**14, 2**21 - 1, 2**21, 2**28 - 1, 2**28, 2**32 - 1]
+
+
+@pytest.mark.parametrize("ids", [EDGES, [5], list(range(0, 300_000, 7)), []])
+def test_bytes_are_protobufs_own(ids: list[int]) -> None:
+    assert packed_uint32(INPUT_IDS, ids) == vllm_engine_pb2.TokenizedInput(input_ids=ids).SerializeToString()
+    merged = vllm_engine_pb2.TokenizedInput()
+    merged.MergeFromString(packed_uint32(INPUT_IDS, ids))
+    assert list(merged.input_ids) == ids
+
+
+def test_high_field_numbers_take_a_longer_tag() -> None:
+    parsed = vllm_engine_pb2.SamplingParams()  # stop_token_ids = 11: a one-byte tag; 2**29 - 1 takes five
+    parsed.MergeFromString(packed_uint32(11, [3, 4]))
+    assert list(parsed.stop_token_ids) == [3, 4]
+    assert packed_uint32(2**29 - 1, [1])[:5] == bytes([0xFA, 0xFF, 0xFF, 0xFF, 0x0F])
+
+
+@pytest.mark.parametrize(
+    ("ids", "error", "needle"),
+    [
+        ([1, True], TypeError, "item 1 is bool"),
+        ([1.0], TypeError, "item 0 is float"),
+        ([1, 2, "3"], TypeError, "item 2 is str"),
+        ([None], TypeError, "item 0 is NoneType"),
+        ([-1], OverflowError, r"item 0 is not in \[0, 2\*\*32\)"),
+        ([0, 2**32], OverflowError, "item 1"),
+        ([2**100], OverflowError, "item 0"),
+    ],
+)
+def test_bad_ids_are_named(ids: list, error: type[Exception], needle: str) -> None:
+    with pytest.raises(error, match=needle):
+        packed_uint32(INPUT_IDS, ids)
+
+
+def test_bad_calls_raise() -> None:
+    with pytest.raises(TypeError, match="must be a list"):
+        packed_uint32(INPUT_IDS, (1, 2))
+    with pytest.raises(ValueError, match="field number 0"):
+        packed_uint32(0, [1])
+    with pytest.raises(TypeError, match="takes 2 arguments"):
+        packed_uint32(INPUT_IDS)  # type: ignore[call-arg]
+
+
+def test_generate_request_carries_the_prompt() -> None:
+    ids = [151643, 0, 9, 2**32 - 1]
+    request = GenerationInput("r", ids, SamplingSpec(max_tokens=3)).to_proto(1)
+    wire = vllm_engine_pb2.GenerateRequest.FromString(request.SerializeToString())
+    assert list(wire.tokenized.input_ids) == ids and wire.data_parallel_rank == 1 and wire.request_id == "r"
+    assert wire.sampling_params.max_tokens == 3 and wire.sampling_params.top_p == 1.0
