@@ -186,7 +186,8 @@ class Rollout:
         self.states = [resumed] if resumed is not None else [RolloutState(gen, i) for i in range(gen.sampling.n)]
         self.ticket: Ticket | None = None
         self._call: WorkerCall | None = None
-        self._last: list[Generation | None] = [None] * len(self.states)
+        self._last: list[Generation | None] = [None] * len(self.states)  # each choice's last segment
+        self._merged: list[Generation | None] = [None] * len(self.states)  # each finished choice, whole
         self._interrupted = 0  # aborts after producing tokens
         self._refused = 0  # consecutive aborts with nothing produced (admission closed)
         # Where the request's KV is: the instance and request id of the last iteration that ran (produced tokens
@@ -257,7 +258,8 @@ class Rollout:
     def _closing(self, index: int) -> Delta:
         last = self._last[index]
         assert last is not None
-        return Delta([], None, None, index, self.states[index].merged(last))
+        merged = self._merged[index] = self.states[index].merged(last)
+        return Delta([], None, None, index, merged)
 
     def _survive(self, error: RouterError, open_segments: list[Generation]) -> None:
         """A replica that fails mid-decode under a PSRL request (partial rollout on) costs it nothing: its open
@@ -409,7 +411,7 @@ class Rollout:
                 child._call = await child._loop_back(self.states[index].next_input())
                 async for delta in child._one_choice(watch):
                     if delta.finished is not None:
-                        self._last[index] = child._last[0]
+                        self._merged[index] = child._merged[0]
                     queue.put_nowait(replace(delta, index=index))
             except Exception as e:  # handed to the reader, which raises it (and stops the others)
                 queue.put_nowait(e)
@@ -439,9 +441,7 @@ class Rollout:
 
     @property
     def results(self) -> list[Generation]:
-        """Each choice's merged generation, once `deltas()` is done."""
-        out = []
-        for state, last in zip(self.states, self._last, strict=True):
-            assert last is not None
-            out.append(state.merged(last))
+        """Each choice's merged generation (its closing Delta's), once `deltas()` is done."""
+        out = [gen for gen in self._merged if gen is not None]
+        assert len(out) == len(self._merged), "deltas() first"
         return out

@@ -184,11 +184,12 @@ class WorkerCall:
                     _extend(res, ids, lps, top)
                     yield Delta(ids, lps, top, c.index)
             elif which == "complete":
-                c = frame.complete
+                c = frame.complete  # each field read once: a protobuf attribute costs a lookup by name
+                index = c.index
                 try:
-                    res = results[c.index]
+                    res = results[index]
                 except IndexError:
-                    raise self._no_such_choice(c.index) from None
+                    raise self._no_such_choice(index) from None
                 res.finish_reason = c.finish_reason or "stop"
                 res.prompt_tokens = c.prompt_tokens or res.prompt_tokens
                 res.cached_tokens = max(res.cached_tokens, c.cached_tokens)
@@ -197,18 +198,20 @@ class WorkerCall:
                     res.matched_stop_token_id = c.matched_token_id
                 elif matched == "matched_stop_str":
                     res.matched_stop_str = c.matched_stop_str
-                if c.kv_transfer_params_json:
-                    res.kv_moved_tokens = _moved_tokens(c.kv_transfer_params_json)
+                moved = c.kv_transfer_params_json
+                if moved:
+                    res.kv_moved_tokens = _moved_tokens(moved)
                 if self.gen.routed_experts_start is not None:
-                    res.routed_experts = await self._take_routed_experts(c.index)
-                if not saw_chunk[c.index] and c.output_ids:
-                    lps, top = _logprobs_of(c.output_logprobs, self._want_top)
+                    res.routed_experts = await self._take_routed_experts(index)
+                if not saw_chunk[index]:
                     ids = list(c.output_ids)
-                    _extend(res, ids, lps, top)
-                    yield Delta(ids, lps, top, c.index)
+                    if ids:
+                        lps, top = _logprobs_of(c.output_logprobs, self._want_top)
+                        _extend(res, ids, lps, top)
+                        yield Delta(ids, lps, top, index)
                 self._open -= 1
                 if len(results) > 1:
-                    yield Delta([], None, None, c.index, res)
+                    yield Delta([], None, None, index, res)
                 if not self._open:
                     return  # whole: `cancel` releases the call
             frame = await self._read()

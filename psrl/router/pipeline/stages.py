@@ -239,19 +239,22 @@ async def execute(s: Services, ctx: RequestContext) -> None:
             ctx.rollouts = [rollout]
             return
         rollouts = [Rollout(s.dispatcher, ctx.model, ctx.meta, gen) for gen in ctx.inputs]
-
-        async def run(rollout: Rollout) -> list[Generation]:
+        if len(rollouts) == 1:  # the common case: no task, no coroutine to wrap it
+            [rollout] = rollouts
             await rollout.start()
-            return await rollout.collect()
-
-        ctx.results = await _gather_or_raise([run(r) for r in rollouts])
+            ctx.results = [await rollout.collect()]
+        else:
+            ctx.results = await _gather_or_raise([_run(r) for r in rollouts])
         ctx.rollouts = rollouts
+
+
+async def _run(rollout: Rollout) -> list[Generation]:
+    await rollout.start()
+    return await rollout.collect()
 
 
 async def _gather_or_raise(coros: list) -> list:
     """Run a batch concurrently; the first failure cancels the rest and is raised."""
-    if len(coros) == 1:  # the common case: no task to create
-        return [await coros[0]]
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         return await asyncio.gather(*tasks)
