@@ -131,7 +131,7 @@ def get_token_ids(value: Any, name: str) -> list[int]:
     if not isinstance(value, list):
         raise BadRequest(f"'{name}' must be a list of integer token ids", param=name)
     try:
-        packed_uint32(1, value)
+        packed_uint32(1, value)  # only the check is wanted here: any field number does
     except TypeError as e:
         raise BadRequest(f"'{name}' must be a list of integer token ids ({e})", param=name) from None
     except OverflowError as e:
