@@ -61,10 +61,10 @@ def test_malformed_requests_are_400(router, path, kwargs, status, words) -> None
 @pytest.mark.parametrize(
     ("path", "body", "words"),
     [
-        ("/generate", {"input_ids": [1, True]}, ["token ids", "booleans", "input_ids"]),
-        ("/generate", {"input_ids": [[1, 2], [False]]}, ["token ids", "booleans"]),
-        ("/v1/completions", {"prompt": [1, True], "max_tokens": 2}, ["token ids", "booleans"]),
-        ("/v1/chat/completions", {"messages": MSG, "stop_token_ids": [True]}, ["booleans", "stop_token_ids"]),
+        ("/generate", {"input_ids": [1, True]}, ["token ids", "item 1 is bool", "input_ids"]),
+        ("/generate", {"input_ids": [[1, 2], [False]]}, ["token ids", "item 0 is bool"]),
+        ("/v1/completions", {"prompt": [1, True], "max_tokens": 2}, ["token ids", "item 1 is bool"]),
+        ("/v1/chat/completions", {"messages": MSG, "stop_token_ids": [True]}, ["item 0 is bool", "stop_token_ids"]),
         ("/generate", {"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [True]}}, ["stop_token_ids"]),
     ],
 )
