@@ -6,6 +6,7 @@ import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2
 
 from psrl._wire import packed_uint32
+from psrl.router.errors import BadRequest
 from psrl.router.pipeline.context import GenerationInput, SamplingSpec
 
 INPUT_IDS = vllm_engine_pb2.TokenizedInput.DESCRIPTOR.fields_by_name["input_ids"].number
@@ -60,3 +61,10 @@ def test_generate_request_carries_the_prompt() -> None:
     wire = vllm_engine_pb2.GenerateRequest.FromString(request.SerializeToString())
     assert list(wire.tokenized.input_ids) == ids and wire.data_parallel_rank == 1 and wire.request_id == "r"
     assert wire.sampling_params.max_tokens == 3 and wire.sampling_params.top_p == 1.0
+
+
+def test_a_prompt_that_is_not_uint32s_is_a_bad_request() -> None:
+    """Parse checks a client's ids; a prompt built past it (a bug) still fails as a 400, never a crash."""
+    for ids in ([1, True], [2**32]):
+        with pytest.raises(BadRequest, match="not uint32s"):
+            GenerationInput("r", ids, SamplingSpec()).to_proto(0)
