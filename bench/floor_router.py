@@ -1,7 +1,7 @@
 """The floor of a router built on our two edges, for `router_overhead.py --floor` (not a router: no checks, no
 selection, no partial rollout, no metrics). It answers `POST /generate` the cheapest way those edges allow:
-`psrl.serving.http1` reads the request, msgspec decodes its body, a Generate with its ids (packed by
-`psrl._wire`, as the router packs them) and two sampling settings goes round-robin to the replicas over the
+`psrl.serving.http1` reads the request, msgspec decodes its body, a Generate with its ids (appended packed, as
+the router appends them: `tokenized_field`) and two sampling settings goes round-robin to the replicas over the
 router's libcurl client (`psrl.router.grpc_stream`), and msgspec writes the answer from the complete frame. What
 our router spends beyond this leg is its middle: the pipeline, the checks, selection and shaping.
 
@@ -20,8 +20,9 @@ import msgspec
 import uvicorn
 from smg_grpc_proto.generated import vllm_engine_pb2
 
-from psrl._wire import packed_uint32
+from psrl.router.errors import BadRequest
 from psrl.router.grpc_stream import CurlGrpc
+from psrl.router.pipeline.context import tokenized_field
 from psrl.router.pipeline.execute import TRAILERS_GRACE_S
 from psrl.router.worker_client import GENERATE_METHOD
 from psrl.serving.http1 import Request, Response, http1_protocol
@@ -29,7 +30,6 @@ from psrl.serving.limits import HttpLimits
 from psrl.serving.server import AnnouncingServer, run_server
 
 READY_MARKER = "FLOOR_ROUTER_READY"
-_INPUT_IDS_FIELD = vllm_engine_pb2.TokenizedInput.DESCRIPTOR.fields_by_name["input_ids"].number
 
 
 class FloorRouter:
@@ -47,13 +47,13 @@ class FloorRouter:
             body = self._decode(request.body)
             sampling = body.get("sampling_params") or {}
             generate = vllm_engine_pb2.GenerateRequest(request_id=f"floor-{next(self._ids)}")
-            generate.tokenized.MergeFromString(packed_uint32(_INPUT_IDS_FIELD, body["input_ids"]))
             generate.sampling_params.max_tokens = sampling.get("max_new_tokens", 128)
             generate.sampling_params.temperature = sampling.get("temperature", 1.0)
-        except (msgspec.DecodeError, KeyError, TypeError, OverflowError, AttributeError) as e:
+            request = generate.SerializeToString() + tokenized_field(body["input_ids"])
+        except (msgspec.DecodeError, KeyError, TypeError, AttributeError, BadRequest) as e:
             return self._error(400, f"unreadable /generate body: {e!r}")
         call = self._curl.unary_stream(
-            next(self._targets), GENERATE_METHOD, generate, vllm_engine_pb2.GenerateResponse.FromString
+            next(self._targets), GENERATE_METHOD, request, vllm_engine_pb2.GenerateResponse.FromString
         )
         frame = await call.read()
         if frame is None or frame.WhichOneof("response") != "complete":

@@ -71,7 +71,7 @@ class Curl:
         call = self.client.unary_stream(
             self.targets[i % len(self.targets)],
             GENERATE_METHOD,
-            _request(i),
+            _request(i).SerializeToString(),
             pb.GenerateResponse.FromString,
             timeout_s=60,
         )

@@ -125,7 +125,7 @@ def main() -> None:
     p.add_argument("--ab-src", metavar="DIR", help="also count the router from DIR/psrl (see router_overhead.py)")
     p.add_argument("--smg", action="store_true", help="also count smg (slow under valgrind: its start takes ~1 min)")
     p.add_argument("--no-floor", action="store_true", help="skip bench/floor_router.py")
-    p.add_argument("--prompt-words", type=int, default=200)
+    p.add_argument("--prompt-words", type=int, default=200, help="the chat prompt's words, /generate's ids")
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--ready-timeout", type=float, default=600.0, help="a router's start under valgrind, s")
     p.add_argument("--deadline", type=float, default=3600.0)
@@ -142,7 +142,10 @@ def main() -> None:
     with Procs(out) as procs:
         replicas, model = ro.start_replicas(procs, ro_args, 2)
         urls = [url for _, url in replicas]
-        loads = {"generate": ro.generate_load(model, 200), "chat": ro.chat_load(model, args.prompt_words, 1)}
+        loads = {
+            "generate": ro.generate_load(model, args.prompt_words),
+            "chat": ro.chat_load(model, args.prompt_words, 1),
+        }
         chosen = [loads[name] for name in args.loads]
         ours = ["--host", ro.HOST, "--worker-urls", *urls, "--policy", "round_robin"]
         targets: list[tuple[str, list[str], list[ro.Load]]] = []

@@ -1281,7 +1281,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=5.0, help="measured seconds per leg")
     p.add_argument("--warmup", type=float, default=1.0, help="warm-up seconds before each measured window")
     p.add_argument("--connections", type=int, nargs="+", default=[64, 1])
-    p.add_argument("--prompt-words", type=int, default=200)
+    p.add_argument("--prompt-words", type=int, default=200, help="the chat prompt's words, /generate's ids")
     p.add_argument(
         "--loads",
         nargs="+",

@@ -77,11 +77,12 @@ class WorkerClients:
     def generate(
         self,
         target: str,
-        request: vllm_engine_pb2.GenerateRequest,
+        request: bytes,
         timeout_s: float | None,
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> StreamCall[vllm_engine_pb2.GenerateResponse]:
-        """Start a Generate on `target`; its frames are read from the call it returns."""
+        """Start a Generate (`request`: a serialized GenerateRequest) on `target`; its frames are read from the call it
+        returns."""
         return self._streams.unary_stream(
             target,
             GENERATE_METHOD,

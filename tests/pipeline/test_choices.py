@@ -85,7 +85,8 @@ class _Replica:
         )
     )
 
-    def generate(self, target: str, request: pb.GenerateRequest, timeout_s: float | None, metadata=()) -> _Call:
+    def generate(self, target: str, wire: bytes, timeout_s: float | None, metadata=()) -> _Call:
+        request = pb.GenerateRequest.FromString(wire)
         self.requests.append(request)
         return _Call(self.script(request))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2
 
 from psrl.router.errors import BadRequest, PayloadTooLarge
 from psrl.router.pipeline import parse as P
@@ -13,7 +14,7 @@ MSG = [{"role": "user", "content": "hi"}]
 
 def _wire(sampling: SamplingSpec):
     """The sampling settings as a Generate request carries them."""
-    return GenerationInput("r", [1], sampling).to_proto(0).sampling_params
+    return vllm_engine_pb2.GenerateRequest.FromString(GenerationInput("r", [1], sampling).to_wire(0)).sampling_params
 
 
 def test_chat_defaults_and_extras() -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2
 
 from psrl.router.errors import BadRequest, PromptOverflow
 from psrl.router.pipeline import respond as R
@@ -45,8 +46,12 @@ def _chat(**body: Any):
     return parse_chat({"messages": MSG, **body})
 
 
+def _request(gen: GenerationInput) -> vllm_engine_pb2.GenerateRequest:
+    return vllm_engine_pb2.GenerateRequest.FromString(gen.to_wire(0))
+
+
 def _constraint(chat) -> str | None:
-    params = GenerationInput("r", [1], chat.sampling).to_proto(0).sampling_params
+    params = _request(GenerationInput("r", [1], chat.sampling)).sampling_params
     kind = params.WhichOneof("constraint")
     assert kind in (None, "structural_tag")
     return params.structural_tag if kind else None
@@ -112,13 +117,13 @@ def test_a_loop_back_continues_without_the_constraint() -> None:
     loop-back (dataclasses.replace of the sampling) leaves the constraint out; a retry of the same input keeps it."""
     chat = _chat(tools=TOOLS, tool_choice="required", max_tokens=10)
     original = GenerationInput("r", [1, 2, 3], chat.sampling)
-    assert original.to_proto(0).sampling_params.WhichOneof("constraint") == "structural_tag"
+    assert _request(original).sampling_params.WhichOneof("constraint") == "structural_tag"
     state = RolloutState(original)
     state.output_ids = [4, 5]
     looped = state.next_input()
     assert looped.prompt_ids == [1, 2, 3, 4, 5] and looped.sampling.max_tokens == 8
-    assert looped.to_proto(0).sampling_params.WhichOneof("constraint") is None
-    assert original.to_proto(0).sampling_params.WhichOneof("constraint") == "structural_tag"
+    assert _request(looped).sampling_params.WhichOneof("constraint") is None
+    assert _request(original).sampling_params.WhichOneof("constraint") == "structural_tag"
 
 
 def test_a_replicas_refusal_of_the_constraint_is_a_400_naming_tool_choice() -> None:

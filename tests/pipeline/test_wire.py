@@ -55,16 +55,25 @@ def test_bad_calls_raise() -> None:
         packed_uint32(INPUT_IDS)  # type: ignore[call-arg]
 
 
-def test_generate_request_carries_the_prompt() -> None:
-    ids = [151643, 0, 9, 2**32 - 1]
-    request = GenerationInput("r", ids, SamplingSpec(max_tokens=3)).to_proto(1)
-    wire = vllm_engine_pb2.GenerateRequest.FromString(request.SerializeToString())
-    assert list(wire.tokenized.input_ids) == ids and wire.data_parallel_rank == 1 and wire.request_id == "r"
-    assert wire.sampling_params.max_tokens == 3 and wire.sampling_params.top_p == 1.0
+@pytest.mark.parametrize("ids", [[151643, 0, 9, 2**32 - 1], list(range(0, 2**21, 3)), []])
+def test_generate_request_carries_the_prompt(ids: list[int]) -> None:
+    """The prompt appended after the rest (its length a multi-byte varint for a long one) reads back as the
+    message protobuf would build."""
+    gen = GenerationInput("r", ids, SamplingSpec(max_tokens=3), kv_transfer_params_json='{"a": 1}')
+    wire = vllm_engine_pb2.GenerateRequest.FromString(gen.to_wire(1))
+    expected = vllm_engine_pb2.GenerateRequest(
+        request_id="r",
+        tokenized=vllm_engine_pb2.TokenizedInput(input_ids=ids),
+        data_parallel_rank=1,
+        kv_transfer_params_json='{"a": 1}',
+    )
+    gen.sampling.write_to(expected.sampling_params)
+    assert wire == expected and wire.sampling_params.max_tokens == 3
+    assert wire.WhichOneof("input") == "tokenized"
 
 
 def test_a_prompt_that_is_not_uint32s_is_a_bad_request() -> None:
     """Parse checks a client's ids; a prompt built past it (a bug) still fails as a 400, never a crash."""
     for ids in ([1, True], [2**32]):
         with pytest.raises(BadRequest, match="not uint32s"):
-            GenerationInput("r", ids, SamplingSpec()).to_proto(0)
+            GenerationInput("r", ids, SamplingSpec()).to_wire(0)

@@ -54,7 +54,7 @@ async def client() -> AsyncIterator[CurlGrpc]:
 
 
 def _call(client: CurlGrpc, target: str, req: pb.GenerateRequest, **kw: object) -> StreamCall[pb.GenerateResponse]:
-    return client.unary_stream(target, GENERATE_METHOD, req, pb.GenerateResponse.FromString, **kw)  # type: ignore[arg-type]
+    return client.unary_stream(target, GENERATE_METHOD, req.SerializeToString(), pb.GenerateResponse.FromString, **kw)  # type: ignore[arg-type]
 
 
 async def _frames(call: StreamCall[pb.GenerateResponse]) -> list[pb.GenerateResponse]:

@@ -22,8 +22,7 @@ def _present_optionals(message) -> set[str]:
 
 def test_unset_optionals_stay_absent() -> None:
     gen = GenerationInput(request_id="r", prompt_ids=[1, 2], sampling=SamplingSpec())
-    proto = gen.to_proto(dp_rank=0)
-    wire = vllm_engine_pb2.GenerateRequest.FromString(proto.SerializeToString())
+    wire = vllm_engine_pb2.GenerateRequest.FromString(gen.to_wire(dp_rank=0))
     assert _present_optionals(wire) == {"data_parallel_rank"}
     assert _present_optionals(wire.sampling_params) == set()
     assert wire.sampling_params.WhichOneof("constraint") is None
@@ -32,7 +31,7 @@ def test_unset_optionals_stay_absent() -> None:
 def test_set_optionals_are_present() -> None:
     sampling = SamplingSpec(temperature=0.0, max_tokens=4, logprobs=0, seed=7)
     gen = GenerationInput(request_id="r", prompt_ids=[1], sampling=sampling, kv_transfer_params_json='{"a": 1}')
-    wire = vllm_engine_pb2.GenerateRequest.FromString(gen.to_proto(dp_rank=1).SerializeToString())
+    wire = vllm_engine_pb2.GenerateRequest.FromString(gen.to_wire(dp_rank=1))
     assert _present_optionals(wire) == {"data_parallel_rank", "kv_transfer_params_json"}
     # temperature 0 and logprobs 0 are values, not "unset": they must be present
     assert _present_optionals(wire.sampling_params) == {"temperature", "max_tokens", "logprobs", "seed"}
@@ -63,7 +62,7 @@ def test_every_sampling_setting_reaches_the_wire() -> None:
     assert set(want) == {f.name for f in fields(SamplingSpec)}  # every setting is set and checked
     sampling = SamplingSpec(**want)  # type: ignore[arg-type]
     gen = GenerationInput(request_id="r", prompt_ids=[3, 1, 2], sampling=sampling, stream=True)
-    wire = vllm_engine_pb2.GenerateRequest.FromString(gen.to_proto(dp_rank=2).SerializeToString())
+    wire = vllm_engine_pb2.GenerateRequest.FromString(gen.to_wire(dp_rank=2))
     assert (wire.request_id, list(wire.tokenized.input_ids), wire.stream, wire.data_parallel_rank) == (
         "r",
         [3, 1, 2],

@@ -14,6 +14,19 @@ from psrl._wire import packed_uint32
 from psrl.router.errors import BadRequest
 
 _INPUT_IDS_FIELD = vllm_engine_pb2.TokenizedInput.DESCRIPTOR.fields_by_name["input_ids"].number
+_TOKENIZED_FIELD = vllm_engine_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["tokenized"].number
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_TOKENIZED_TAG = _varint(_TOKENIZED_FIELD << 3 | 2)  # wire type 2: length-delimited
 
 
 @dataclass
@@ -39,7 +52,7 @@ class SamplingSpec:
     n: int = 1  # choices sampled from the one prompt
 
     def write_to(self, p: vllm_engine_pb2.SamplingParams) -> None:
-        """Set these settings on `p`, a GenerateRequest's own submessage (GenerationInput.to_proto). A plain
+        """Set these settings on `p`, a GenerateRequest's own submessage (GenerationInput.to_wire). A plain
         proto3 field left at its zero is not on the wire whether set or not, so only the others are set: each
         assignment costs a call into protobuf, and most requests change two or three settings."""
         p.top_p = self.top_p
@@ -121,21 +134,28 @@ class GenerationInput:
     # metadata (the stock proto has no field); a looped-back request asks from where the last segment ended.
     routed_experts_start: int | None = None
 
-    def to_proto(self, dp_rank: int) -> vllm_engine_pb2.GenerateRequest:
+    def to_wire(self, dp_rank: int) -> bytes:
+        """The serialized GenerateRequest. The prompt goes last, as the `tokenized` field's bytes packed in C: a
+        message's fields may come in any order, and set through protobuf the ids were parsed and encoded again."""
         # Built in place: submessages given to the constructor are copied in, which took twice the CPU.
         request = vllm_engine_pb2.GenerateRequest(
             request_id=self.request_id, stream=self.stream, data_parallel_rank=dp_rank
         )
         request.sampling_params.SetInParent()  # present even if every setting were proto3's default
-        try:
-            request.tokenized.MergeFromString(packed_uint32(_INPUT_IDS_FIELD, self.prompt_ids))
-        except (TypeError, OverflowError) as e:  # parse checked a client's ids already: a bug upstream
-            raise BadRequest(f"the prompt's token ids are not uint32s: {e}") from None
         self.sampling.write_to(request.sampling_params)
         # proto3 `optional`: assigning "" marks the field present, and vLLM's servicer then parses it as JSON.
         if self.kv_transfer_params_json:
             request.kv_transfer_params_json = self.kv_transfer_params_json
-        return request
+        return request.SerializeToString() + tokenized_field(self.prompt_ids)
+
+
+def tokenized_field(prompt_ids: list[int]) -> bytes:
+    """A GenerateRequest's `tokenized` field holding these ids, as bytes to append to the rest of the request."""
+    try:
+        ids = packed_uint32(_INPUT_IDS_FIELD, prompt_ids)
+    except (TypeError, OverflowError) as e:  # parse checked a client's ids already: a bug upstream
+        raise BadRequest(f"the prompt's token ids are not uint32s: {e}") from None
+    return _TOKENIZED_TAG + _varint(len(ids)) + ids
 
 
 @dataclass

@@ -116,7 +116,7 @@ class WorkerCall:
         ask = (
             () if gen.routed_experts_start is None else ((ROUTED_EXPERTS_METADATA_KEY, str(gen.routed_experts_start)),)
         )
-        self._call = clients.generate(instance.worker.target, gen.to_proto(instance.id.dp_rank), timeout_s, ask)
+        self._call = clients.generate(instance.worker.target, gen.to_wire(instance.id.dp_rank), timeout_s, ask)
         self._first: vllm_engine_pb2.GenerateResponse | None = None
         self._frames = 0
         self._saw_chunk = [False] * gen.sampling.n
