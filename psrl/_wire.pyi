@@ -4,3 +4,7 @@ def packed_uint32(field_number: int, values: list[int], /) -> bytes:
     """`values` (ints in [0, 2**32)) as the packed repeated uint32 field `field_number`: its tag, its length and
     the varints (nothing for no values), ready for a message's MergeFromString. TypeError for an item that is
     not an int (a bool included), OverflowError for one out of range; either names the item's index."""
+
+def json_opens(data: bytes, /) -> int:
+    """How many '[' and '{' bytes `data` holds: the brackets a JSON text opens, at most (those inside strings
+    count too). A text that opens n cannot nest deeper than n. TypeError for anything but bytes."""

@@ -11,6 +11,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from psrl._wire import json_opens
+
 # Deeper than any real request (tool schemas nest a few dozen levels) and far below the interpreter's
 # recursion limit, so neither json.loads nor later code that walks the value (json.dumps, templates) recurses
 # out of stack.
@@ -68,7 +70,7 @@ def loads_bounded(raw: bytes | str) -> Any:
     times faster on token-id lists; it gives the same value wherever it accepts a document. What it refuses
     (other encodings, a BOM, lone surrogates, NaN, a literal beyond float range, malformed JSON) goes on to
     `json`, whose verdict and message stand."""
-    if isinstance(raw, bytes) and raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+    if isinstance(raw, bytes) and json_opens(raw) <= MAX_JSON_DEPTH:
         try:
             return _FAST_DECODER.decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError):

@@ -1,11 +1,14 @@
-"""psrl._wire: token ids as protobuf's own packed field, every bad id refused by index."""
+"""psrl._wire: token ids as protobuf's own packed field, every bad id refused by index; a JSON body's opening
+brackets counted."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2
 
-from psrl._wire import packed_uint32
+from psrl._wire import json_opens, packed_uint32
 from psrl.router.errors import BadRequest
 from psrl.router.pipeline.context import GenerationInput, SamplingSpec
 
@@ -77,3 +80,19 @@ def test_a_prompt_that_is_not_uint32s_is_a_bad_request() -> None:
     for ids in ([1, True], [2**32]):
         with pytest.raises(BadRequest, match="not uint32s"):
             GenerationInput("r", ids, SamplingSpec()).to_wire(0)
+
+
+def test_json_opens_counts_both_brackets_at_every_length() -> None:
+    """Every length up to a few vector widths (the loop's tail), and bodies of every byte value."""
+    rng = random.Random(7)
+    for n in [*range(0, 130), 4096, 100_003]:
+        data = bytes(rng.choice(b'[{]}"a1 ,\x00\xff') for _ in range(n))
+        assert json_opens(data) == data.count(b"[") + data.count(b"{"), n
+    assert json_opens(bytes(range(256)) * 3) == 6
+    assert json_opens(b'{"s": "[[{", "ids": [1, 2]}') == 5  # inside strings too: an upper bound
+
+
+def test_json_opens_takes_bytes_only() -> None:
+    for wrong in ("[{", bytearray(b"["), memoryview(b"[")):
+        with pytest.raises(TypeError, match="must be bytes"):
+            json_opens(wrong)  # type: ignore[arg-type]
