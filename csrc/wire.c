@@ -28,6 +28,28 @@ static Py_ssize_t put_varint(uint8_t *out, uint64_t value) {
     return n;
 }
 
+/* An int of one digit (0 <= value < 2**30, every real token id) read in place: PyLong_AsUnsignedLong is a
+ * call and a few checks an id. Anything else (negative, larger) returns 0 and takes the general path. */
+static inline int small_int(PyObject *item, unsigned long *value) {
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyUnstable_Long_IsCompact((PyLongObject *)item)) {
+        Py_ssize_t v = PyUnstable_Long_CompactValue((PyLongObject *)item);
+        if (v >= 0) {
+            *value = (unsigned long)v;
+            return 1;
+        }
+    }
+    return 0;
+#else
+    Py_ssize_t size = Py_SIZE(item);
+    if (size == 0 || size == 1) {
+        *value = size ? (unsigned long)((PyLongObject *)item)->ob_digit[0] : 0UL;
+        return 1;
+    }
+    return 0;
+#endif
+}
+
 PyDoc_STRVAR(packed_uint32_doc,
              "packed_uint32(field_number, values, /) -> bytes\n\n"
              "`values` (a list of int in [0, 2**32)) as the packed repeated uint32 field `field_number`:\n"
@@ -78,12 +100,15 @@ static PyObject *packed_uint32(PyObject *module, PyObject *const *args, Py_ssize
             Py_DECREF(out);
             return NULL;
         }
-        unsigned long value = PyLong_AsUnsignedLong(item);
-        if ((value == (unsigned long)-1 && PyErr_Occurred()) || value > 0xFFFFFFFFUL) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_OverflowError, "item %zd is not in [0, 2**32)", i);
-            Py_DECREF(out);
-            return NULL;
+        unsigned long value;
+        if (!small_int(item, &value)) {
+            value = PyLong_AsUnsignedLong(item);
+            if ((value == (unsigned long)-1 && PyErr_Occurred()) || value > 0xFFFFFFFFUL) {
+                PyErr_Clear();
+                PyErr_Format(PyExc_OverflowError, "item %zd is not in [0, 2**32)", i);
+                Py_DECREF(out);
+                return NULL;
+            }
         }
         length += put_varint(payload + length, value);
     }
