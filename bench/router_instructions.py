@@ -1,12 +1,13 @@
 """Instructions per request of our router, the floor leg and smg, counted by valgrind's callgrind.
 
 CPU time on a shared 2-core VM moves 20% from one run to the next, so a change worth a few percent needs many
-paired windows (router_overhead.py --together). An instruction count does not move: each router runs under
-callgrind behind the same two reference replicas, gets --warmup requests on one kept-alive connection, then
-has its counters zeroed, gets --requests more, and has them dumped. What it counts is user-space instructions
-of every thread of the process (its Python, the C libraries it calls: curl, protobuf, msgspec, uvloop), not
-the kernel's system calls, cache misses or waits; so it ranks changes of our own code exactly, and compares
-routers only on the work their code does (a compiled router does the same work in fewer instructions).
+paired windows (router_overhead.py --together). An instruction count moves about 2% (count two trees in one
+run, --ab-src, to compare them): each router runs under callgrind behind the same two reference replicas, gets
+--warmup requests on one kept-alive connection, then has its counters zeroed, gets --requests more, and has
+them dumped. What it counts is user-space instructions of every thread of the process (its Python, the C
+libraries it calls: curl, protobuf, msgspec, uvloop), not the kernel's system calls, cache misses or waits; so
+it ranks changes of our own code closely, and compares routers only on the work their code does (a compiled
+router does the same work in fewer instructions).
 
 Per router and load: instructions per request, the ratio to our router's, and the shared objects the
 instructions ran in (self cost: libpython is the interpreter running Python code).
