@@ -143,18 +143,25 @@ def test_a_dense_fleet_answers_null(router) -> None:
     assert out["meta_info"]["routed_experts"] is None and len(out["output_ids"]) == 3
 
 
+@pytest.mark.parametrize("stream", [True, False])
 async def test_a_stop_string_the_router_sees_after_a_loop_back_keeps_the_rows_of_the_ids_kept(
-    moe_fleet, moe_dir
+    moe_fleet, moe_dir, stream: bool
 ) -> None:
     """The replica never saw a stop string begun before a loop-back, so the router ends the segment itself
-    (end_at_stop) and cuts its ids: the replica is aborted there, and the rows of the ids kept are taken."""
+    (end_at_stop) and cuts its ids: a stream's replica is aborted there, and the rows of the ids kept are taken.
+    A non-streamed call's rows came with its one frame, before the cut: those of the ids kept are kept."""
     replica = moe_fleet[1]
     registry = WorkerRegistry()
     worker = registry.create_worker("w", replica.url, models=["m"], labels={})
     [instance] = worker.instances
     clients = WorkerClients()
+    budget = 2000 if stream else 12  # a non-streamed call's one delta holds every id
     gen = GenerationInput(
-        "cut-1", PROMPT, SamplingSpec(temperature=0.0, max_tokens=2000, ignore_eos=True), True, routed_experts_start=5
+        f"cut-{stream}",
+        PROMPT,
+        SamplingSpec(temperature=0.0, max_tokens=budget, ignore_eos=True),
+        stream,
+        routed_experts_start=5,
     )
     call = WorkerCall(clients, instance, gen, timeout_s=60)
     try:
@@ -162,7 +169,7 @@ async def test_a_stop_string_the_router_sees_after_a_loop_back_keeps_the_rows_of
         deltas = call.deltas()
         async for delta in deltas:
             if len(call.result.output_ids) >= 6:
-                cut = call.end_at_stop(delta, 1, "stop")  # keep the first id of this delta
+                cut = call.end_at_stop(delta, 1 if stream else 4, "stop")  # keep the delta's first id(s)
                 break
         await deltas.aclose()
         await call.routed_experts_after_cut()
@@ -170,7 +177,7 @@ async def test_a_stop_string_the_router_sees_after_a_loop_back_keeps_the_rows_of
         call.cancel()
         await clients.close()
     kept = call.result.output_ids
-    assert cut.token_ids == delta.token_ids[:1] and len(kept) >= 6
+    assert cut.token_ids == delta.token_ids[: 1 if stream else 4] and len(kept) >= (6 if stream else 4)
     routed = call.result.routed_experts
     assert routed is not None and routed.prompt_start == 5
     np.testing.assert_array_equal(routed.rows, reference_routing(moe_dir, (PROMPT + kept)[:-1])[5:])

@@ -247,24 +247,29 @@ class WorkerCall:
         )
 
     async def routed_experts_after_cut(self) -> None:
-        """After end_at_stop on a generation asking for routed experts: the replica never saw that stop, so it is
-        aborted, its stream read on to the complete frame, and the rows of the ids kept taken. Without them the
-        segment has none (any failure here costs only the routing, which partial rollout then reports)."""
-        if self.gen.routed_experts_start is None or self._call.done():
+        """After end_at_stop on a generation asking for routed experts: the replica never saw that stop, so a
+        stream is aborted, read on to the complete frame, and the rows of the ids kept taken. A non-streamed
+        call's rows came with its complete frame, before the cut: those of the ids kept are kept. Without them
+        the segment has none (any failure here costs only the routing, which partial rollout then reports)."""
+        if self.gen.routed_experts_start is None:
             return
-        stub = self._clients.stub(self.instance.worker.target)
-        try:
-            await stub.Abort(vllm_engine_pb2.AbortRequest(request_ids=[self.gen.request_id]), timeout=10)
-            while True:
-                frame = await self._call.read()
-                if frame is None:
-                    return
-                if frame.WhichOneof("response") == "complete":
-                    break
-        except grpc.aio.AioRpcError as e:
-            logger.warning("request %s: no routed experts after its stop string: %s", self.gen.request_id, e.code())
-            return
-        routed = await self._take_routed_experts(frame.complete.index)
+        routed = self.result.routed_experts
+        if routed is None:
+            if self._call.done():
+                return
+            stub = self._clients.stub(self.instance.worker.target)
+            try:
+                await stub.Abort(vllm_engine_pb2.AbortRequest(request_ids=[self.gen.request_id]), timeout=10)
+                while True:
+                    frame = await self._call.read()
+                    if frame is None:
+                        return
+                    if frame.WhichOneof("response") == "complete":
+                        break
+            except grpc.aio.AioRpcError as e:
+                logger.warning("request %s: no routed experts after its stop string: %s", self.gen.request_id, e.code())
+                return
+            routed = await self._take_routed_experts(frame.complete.index)
         if routed is not None:
             kept = len(self.gen.prompt_ids) + len(self.result.output_ids) - 1 - routed.prompt_start
             self.result.routed_experts = RoutedExperts(routed.rows[: max(kept, 0)], routed.prompt_start)
