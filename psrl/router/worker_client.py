@@ -81,8 +81,8 @@ class WorkerClients:
         timeout_s: float | None,
         metadata: tuple[tuple[str, str], ...] = (),
     ) -> StreamCall[vllm_engine_pb2.GenerateResponse]:
-        """Start a Generate (`request`: a serialized GenerateRequest) on `target`; its frames are read from the call it
-        returns."""
+        """Start a Generate on `target` (`request`: a serialized GenerateRequest); its frames are read from the
+        call it returns."""
         return self._streams.unary_stream(
             target,
             GENERATE_METHOD,
