@@ -238,6 +238,8 @@ class WorkerCall:
                 del res.logprobs[-drop:]
             if res.top_logprobs is not None:
                 del res.top_logprobs[-drop:]
+            if res.routed_experts is not None:  # a non-streamed answer's rows came with it
+                res.routed_experts = self._rows_kept(res, res.routed_experts)
         res.finish_reason, res.matched_stop_str, res.matched_stop_token_id = "stop", stop, None
         return Delta(
             delta.token_ids[:keep],
@@ -247,32 +249,32 @@ class WorkerCall:
         )
 
     async def routed_experts_after_cut(self) -> None:
-        """After end_at_stop on a generation asking for routed experts: the replica never saw that stop, so a
-        stream is aborted, read on to the complete frame, and the rows of the ids kept taken. A non-streamed
-        call's rows came with its complete frame, before the cut: those of the ids kept are kept. Without them
-        the segment has none (any failure here costs only the routing, which partial rollout then reports)."""
-        if self.gen.routed_experts_start is None:
+        """After end_at_stop on a stream asking for routed experts: the replica never saw that stop, so it is
+        aborted, its stream read on to the complete frame, and the rows of the ids kept taken. Without them the
+        segment has none (any failure here costs only the routing, which partial rollout then reports). A
+        non-streamed answer's rows came with it, and end_at_stop cut them."""
+        if self.gen.routed_experts_start is None or self.result.routed_experts is not None or self._call.done():
             return
-        routed = self.result.routed_experts
-        if routed is None:
-            if self._call.done():
-                return
-            stub = self._clients.stub(self.instance.worker.target)
-            try:
-                await stub.Abort(vllm_engine_pb2.AbortRequest(request_ids=[self.gen.request_id]), timeout=10)
-                while True:
-                    frame = await self._call.read()
-                    if frame is None:
-                        return
-                    if frame.WhichOneof("response") == "complete":
-                        break
-            except grpc.aio.AioRpcError as e:
-                logger.warning("request %s: no routed experts after its stop string: %s", self.gen.request_id, e.code())
-                return
-            routed = await self._take_routed_experts(frame.complete.index)
+        stub = self._clients.stub(self.instance.worker.target)
+        try:
+            await stub.Abort(vllm_engine_pb2.AbortRequest(request_ids=[self.gen.request_id]), timeout=10)
+            while True:
+                frame = await self._call.read()
+                if frame is None:
+                    return
+                if frame.WhichOneof("response") == "complete":
+                    break
+        except grpc.aio.AioRpcError as e:
+            logger.warning("request %s: no routed experts after its stop string: %s", self.gen.request_id, e.code())
+            return
+        routed = await self._take_routed_experts(frame.complete.index)
         if routed is not None:
-            kept = len(self.gen.prompt_ids) + len(self.result.output_ids) - 1 - routed.prompt_start
-            self.result.routed_experts = RoutedExperts(routed.rows[: max(kept, 0)], routed.prompt_start)
+            self.result.routed_experts = self._rows_kept(self.result, routed)
+
+    def _rows_kept(self, res: Generation, routed: RoutedExperts) -> RoutedExperts:
+        """The rows of the positions fed for the ids `res` keeps: the prompt's and every id's but the last."""
+        kept = len(self.gen.prompt_ids) + len(res.output_ids) - 1 - routed.prompt_start
+        return RoutedExperts(routed.rows[: max(kept, 0)], routed.prompt_start)
 
     async def _take_routed_experts(self, index: int) -> RoutedExperts | None:
         """The rows the replica kept for choice `index`; None (logged) when it has none or cannot say."""
