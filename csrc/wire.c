@@ -51,24 +51,34 @@ static inline int small_int(PyObject *item, unsigned long *value) {
 }
 
 PyDoc_STRVAR(packed_uint32_doc,
-             "packed_uint32(field_number, values, /) -> bytes\n\n"
+             "packed_uint32(field_number, values, outer_field=0, /) -> bytes\n\n"
              "`values` (a list of int in [0, 2**32)) as the packed repeated uint32 field `field_number`:\n"
              "its tag, its length and the values as varints (nothing for no values), ready for a\n"
-             "message's MergeFromString. TypeError for an item that is not an int (a bool included),\n"
-             "OverflowError for one out of range; either names the item's index.");
+             "message's MergeFromString. With `outer_field`, that field wrapped as the only field of the\n"
+             "submessage field `outer_field` (present even with no values), ready to append to the outer\n"
+             "message's bytes. TypeError for an item that is not an int (a bool included), OverflowError\n"
+             "for one out of range; either names the item's index.");
+
+static int field_number(PyObject *arg, unsigned long *field) {
+    *field = PyLong_AsUnsignedLong(arg);
+    if (*field == (unsigned long)-1 && PyErr_Occurred()) {
+        return 0;
+    }
+    if (*field < 1 || *field > MAX_FIELD_NUMBER) {
+        PyErr_Format(PyExc_ValueError, "field number %lu is not in [1, 2**29)", *field);
+        return 0;
+    }
+    return 1;
+}
 
 static PyObject *packed_uint32(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "packed_uint32() takes 2 arguments (%zd given)", nargs);
+    if (nargs != 2 && nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "packed_uint32() takes 2 or 3 arguments (%zd given)", nargs);
         return NULL;
     }
-    unsigned long field = PyLong_AsUnsignedLong(args[0]);
-    if (field == (unsigned long)-1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    if (field < 1 || field > MAX_FIELD_NUMBER) {
-        PyErr_Format(PyExc_ValueError, "field number %lu is not in [1, 2**29)", field);
+    unsigned long field, outer = 0;
+    if (!field_number(args[0], &field) || (nargs == 3 && !field_number(args[2], &outer))) {
         return NULL;
     }
     PyObject *values = args[1];
@@ -77,10 +87,7 @@ static PyObject *packed_uint32(PyObject *module, PyObject *const *args, Py_ssize
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(values);
-    if (n == 0) {
-        return PyBytes_FromStringAndSize(NULL, 0); /* as protobuf writes an empty packed field: not at all */
-    }
-    const Py_ssize_t head_room = 2 * MAX_VARINT;
+    const Py_ssize_t head_room = 4 * MAX_VARINT; /* the outer field's tag and length, then the inner's */
     if (n > (PY_SSIZE_T_MAX - head_room) / MAX_UINT32_VARINT) {
         return PyErr_NoMemory();
     }
@@ -112,9 +119,21 @@ static PyObject *packed_uint32(PyObject *module, PyObject *const *args, Py_ssize
         }
         length += put_varint(payload + length, value);
     }
-    uint8_t head[2 * MAX_VARINT];
-    Py_ssize_t head_len = put_varint(head, ((uint64_t)field << 3) | 2); /* wire type 2: length-delimited */
-    head_len += put_varint(head + head_len, (uint64_t)length);
+    /* An empty packed field is not written at all, as protobuf writes it; its submessage still is. */
+    uint8_t inner[2 * MAX_VARINT];
+    Py_ssize_t inner_len = 0;
+    if (length) {
+        inner_len = put_varint(inner, ((uint64_t)field << 3) | 2); /* wire type 2: length-delimited */
+        inner_len += put_varint(inner + inner_len, (uint64_t)length);
+    }
+    uint8_t head[4 * MAX_VARINT];
+    Py_ssize_t head_len = 0;
+    if (outer) {
+        head_len = put_varint(head, ((uint64_t)outer << 3) | 2);
+        head_len += put_varint(head + head_len, (uint64_t)(inner_len + length));
+    }
+    memcpy(head + head_len, inner, (size_t)inner_len);
+    head_len += inner_len;
     memcpy(buf, head, (size_t)head_len);
     memmove(buf + head_len, payload, (size_t)length);
     if (_PyBytes_Resize(&out, head_len + length) < 0) {

@@ -13,8 +13,9 @@ from psrl.router.errors import BadRequest
 from psrl.router.pipeline.context import GenerationInput, SamplingSpec
 
 INPUT_IDS = vllm_engine_pb2.TokenizedInput.DESCRIPTOR.fields_by_name["input_ids"].number
-# Each varint length's first and last value, up to uint32's last.
-EDGES = [0, 1, 127, 128, 2**14 - 1, 2**14, 2**21 - 1, 2**21, 2**28 - 1, 2**28, 2**32 - 1]
+TOKENIZED = vllm_engine_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["tokenized"].number
+# Each varint length's first and last value, up to uint32's last, and both sides of 2**30 (one int digit).
+EDGES = [0, 1, 127, 128, 2**14 - 1, 2**14, 2**21 - 1, 2**21, 2**28 - 1, 2**28, 2**30 - 1, 2**30, 2**32 - 1]
 
 
 @pytest.mark.parametrize("ids", [EDGES, [5], list(range(0, 300_000, 7)), []])
@@ -23,6 +24,9 @@ def test_bytes_are_protobufs_own(ids: list[int]) -> None:
     merged = vllm_engine_pb2.TokenizedInput()
     merged.MergeFromString(packed_uint32(INPUT_IDS, ids))
     assert list(merged.input_ids) == ids
+    # wrapped in the request's `tokenized` field: present, even empty, as protobuf writes a set submessage
+    wrapped = vllm_engine_pb2.GenerateRequest(tokenized=vllm_engine_pb2.TokenizedInput(input_ids=ids))
+    assert packed_uint32(INPUT_IDS, ids, TOKENIZED) == wrapped.SerializeToString()
 
 
 def test_high_field_numbers_take_a_longer_tag() -> None:
@@ -54,8 +58,10 @@ def test_bad_calls_raise() -> None:
         packed_uint32(INPUT_IDS, (1, 2))
     with pytest.raises(ValueError, match="field number 0"):
         packed_uint32(0, [1])
-    with pytest.raises(TypeError, match="takes 2 arguments"):
+    with pytest.raises(TypeError, match="takes 2 or 3 arguments"):
         packed_uint32(INPUT_IDS)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="field number 536870912"):
+        packed_uint32(INPUT_IDS, [1], 2**29)
 
 
 @pytest.mark.parametrize("ids", [[151643, 0, 9, 2**32 - 1], list(range(0, 2**21, 3)), []])

@@ -17,18 +17,6 @@ _INPUT_IDS_FIELD = vllm_engine_pb2.TokenizedInput.DESCRIPTOR.fields_by_name["inp
 _TOKENIZED_FIELD = vllm_engine_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["tokenized"].number
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-_TOKENIZED_TAG = _varint(_TOKENIZED_FIELD << 3 | 2)  # wire type 2: length-delimited
-
-
 @dataclass
 class SamplingSpec:
     """Sampling settings in vLLM's terms (top_k -1 = off, max_tokens None = up to the context)."""
@@ -152,10 +140,9 @@ class GenerationInput:
 def tokenized_field(prompt_ids: list[int]) -> bytes:
     """A GenerateRequest's `tokenized` field holding these ids, as bytes to append to the rest of the request."""
     try:
-        ids = packed_uint32(_INPUT_IDS_FIELD, prompt_ids)
+        return packed_uint32(_INPUT_IDS_FIELD, prompt_ids, _TOKENIZED_FIELD)
     except (TypeError, OverflowError) as e:  # parse checked a client's ids already: a bug upstream
         raise BadRequest(f"the prompt's token ids are not uint32s: {e}") from None
-    return _TOKENIZED_TAG + _varint(len(ids)) + ids
 
 
 @dataclass
