@@ -1,10 +1,10 @@
 """The router's Generate calls, the one RPC on its hot path, over libcurl (pycurl) instead of grpc.aio.
 
-One curl multi handle, driven by the router's event loop (curl's socket and timer callbacks become
-`add_reader`/`add_writer`/`call_later`), carries every Generate, multiplexed as HTTP/2 streams over curl's
-connections to each replica (prior knowledge, cleartext). libcurl and its nghttp2 do HTTP/2 and HPACK; this
-module frames gRPC messages (a flag byte and a 4-byte length before each) and reads the status from the
-trailers. No thread is involved: grpc.aio's core polls on threads of its own and wakes the loop for each
+One curl multi handle, driven by the router's event loop (curl's sockets sit in an epoll of this module's,
+whose fd the loop watches; curl's timer is a `call_at`), carries every Generate, multiplexed as HTTP/2 streams
+over curl's connections to each replica (prior knowledge, cleartext). libcurl and its nghttp2 do HTTP/2 and
+HPACK; this module frames gRPC messages (a flag byte and a 4-byte length before each) and reads the status from
+the trailers. No thread is involved: grpc.aio's core polls on threads of its own and wakes the loop for each
 event, which is most of what one call costs it (bench/router_overhead.py prints both).
 
 `StreamCall` behaves as grpc.aio's unary-stream call does where the router uses one: `read()` returns each
@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import select
 import socket
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -77,6 +78,24 @@ _HTTP_STATUS = {
 }
 _STATUS_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
 _OK_LINE = b"grpc-status: 0\r\n"  # as curl writes a header (nghttp2 gives names in lower case)
+# curl's wishes for a socket as epoll events, and epoll's answer as curl's. An error or a hang-up comes whatever
+# was asked; as the loop's readers and writers did, it makes the socket ready for what curl asked, and curl finds
+# the cause when it reads or writes.
+_EPOLL_EVENTS = {
+    pycurl.POLL_IN: select.EPOLLIN,
+    pycurl.POLL_OUT: select.EPOLLOUT,
+    pycurl.POLL_INOUT: select.EPOLLIN | select.EPOLLOUT,
+    pycurl.POLL_REMOVE: 0,
+}
+_EPOLL_BROKEN = select.EPOLLERR | select.EPOLLHUP
+_CSELECT = [
+    (pycurl.CSELECT_IN if e & select.EPOLLIN else 0)
+    | (pycurl.CSELECT_OUT if e & select.EPOLLOUT else 0)
+    | (pycurl.CSELECT_ERR if e & select.EPOLLERR else 0)
+    for e in range((select.EPOLLIN | select.EPOLLOUT | select.EPOLLERR) + 1)
+]
+_SELECT_MASK = len(_CSELECT) - 1
+_READY_BATCH = 256  # sockets handled per wake of the loop
 
 
 def _bound_socket(fd: int, purpose: int) -> int:
@@ -336,7 +355,8 @@ class CurlGrpc:
         self._multi: pycurl.CurlMulti | None = None
         self._calls: dict[pycurl.Curl, StreamCall] = {}
         self._idle: list[pycurl.Curl] = []
-        self._fds: dict[int, int] = {}  # fd -> the pycurl.POLL_* it is watched for
+        self._poller: select.epoll | None = None  # curl's sockets; the loop watches this one fd
+        self._fds: dict[int, int] = {}  # fd -> the epoll events it is watched for
         self._timer: asyncio.Handle | None = None  # call_at gives a plain Handle for a time already past
         self._due = 0.0  # when it fires (loop time)
 
@@ -404,16 +424,27 @@ class CurlGrpc:
         if self._multi is not None:
             self._multi.close()  # closes its connections
             self._multi = None
-        if self._loop is not None and not self._loop.is_closed():
-            for fd in self._fds:
-                self._loop.remove_reader(fd)
-                self._loop.remove_writer(fd)
+        if self._poller is not None:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self._poller.fileno())
+            self._poller.close()
+            self._poller = None
         self._fds.clear()
 
     # ---- curl <-> the event loop ----------------------------------------------------------------------
 
     def _open(self) -> pycurl.CurlMulti:
+        """The multi handle, and the epoll instance its sockets are watched in.
+
+        curl asks to watch a socket when a call starts on an idle connection and to forget it when the last
+        call on it ends; at one request at a time, that is every request, for the connection and for the
+        eventfd curl watches beside it. Each `add_reader` makes the loop a poll handle (an fd check, a
+        non-blocking `ioctl`, an `epoll_ctl` to add it, later three to remove it), 15 system calls a request in
+        all. In an epoll of our own each change is one `epoll_ctl`, and the loop watches only that epoll's fd,
+        which is readable while any socket in it is ready."""
         self._loop = asyncio.get_running_loop()
+        self._poller = select.epoll()
+        self._loop.add_reader(self._poller.fileno(), self._on_ready)
         multi = pycurl.CurlMulti()
         multi.setopt(pycurl.M_PIPELINING, pycurl.PIPE_MULTIPLEX)
         multi.setopt(pycurl.M_SOCKETFUNCTION, self._on_socket)
@@ -445,20 +476,41 @@ class CurlGrpc:
         self._idle.append(curl)
 
     def _on_socket(self, what: int, fd: int, multi: object, socketp: object) -> None:
-        loop = self._loop
-        assert loop is not None
+        poller = self._poller
+        if poller is None:
+            return
         old = self._fds.pop(fd, 0)
-        new = 0 if what == pycurl.POLL_REMOVE else what
-        if old & pycurl.POLL_IN and not new & pycurl.POLL_IN:
-            loop.remove_reader(fd)
-        elif new & pycurl.POLL_IN and not old & pycurl.POLL_IN:
-            loop.add_reader(fd, self._act, fd, pycurl.CSELECT_IN)
-        if old & pycurl.POLL_OUT and not new & pycurl.POLL_OUT:
-            loop.remove_writer(fd)
-        elif new & pycurl.POLL_OUT and not old & pycurl.POLL_OUT:
-            loop.add_writer(fd, self._act, fd, pycurl.CSELECT_OUT)
+        new = _EPOLL_EVENTS[what]
+        try:
+            if not new:
+                poller.unregister(fd)
+            elif old:
+                poller.modify(fd, new)
+            else:
+                poller.register(fd, new)
+        except FileNotFoundError:  # closed, so the epoll dropped it (and its number may be a new socket's now)
+            if new:
+                poller.register(fd, new)
+        except FileExistsError:
+            poller.modify(fd, new)
+        except OSError:  # a REMOVE after curl closed it
+            if new:
+                raise
         if new:
             self._fds[fd] = new
+
+    def _on_ready(self) -> None:
+        """The epoll has ready sockets: curl reads and writes them (level-triggered: what is left is reported
+        again, so a batch cut at `_READY_BATCH` loses nothing)."""
+        poller = self._poller
+        if poller is None:
+            return
+        for fd, events in poller.poll(0, _READY_BATCH):
+            asked = self._fds.get(fd)
+            if asked:  # (an earlier socket's action may have made curl forget this one)
+                if events & _EPOLL_BROKEN:
+                    events |= asked
+                self._act(fd, _CSELECT[events & _SELECT_MASK])
 
     def _on_timer(self, ms: int) -> None:
         """curl's next timeout moved. A timer already due sooner is kept: firing early only makes curl

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import select
 import socket
 import threading
 import time
@@ -186,6 +187,53 @@ async def test_statuses_of_a_grpc_server_read_as_grpc_aio_reads_them(client: Cur
                 ours.append(await call.read())  # type: ignore[arg-type]
         assert theirs is not None and (e.value.code(), e.value.details()) == (theirs.code(), theirs.details())
         assert ours == frames  # the frames before the error are read first
+
+
+async def test_curl_s_sockets_are_watched_in_its_epoll_and_the_loop_watches_that_alone(
+    client: CurlGrpc, replica: Proc, grpc_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """curl asks to watch a replica's connection (and an eventfd of its own) when a call starts on it idle, and
+    to forget both when its last call ends: at one request at a time, every request. Those changes go to the
+    client's epoll; the loop is asked once, for the epoll's fd. With one socket handled per wake, calls to two
+    peers at once still all end: epoll reports again what was left."""
+    loop = asyncio.get_running_loop()
+    watched: list[int] = []
+    add_reader = loop.add_reader
+    monkeypatch.setattr(loop, "add_reader", lambda fd, *args: (watched.append(fd), add_reader(fd, *args))[1])
+    for i in range(4):
+        frames = await _frames(_call(client, _target(replica), _req(f"alone-{i}", max_tokens=1)))
+        assert frames[-1].complete.finish_reason == "length"
+        assert not client._fds  # its call ended: curl forgot its sockets, and so did the epoll
+    assert client._poller is not None and watched == [client._poller.fileno()]
+    monkeypatch.setattr(grpc_stream, "_READY_BATCH", 1)
+    ours = [_call(client, _target(replica), _req(f"both-{i}", max_tokens=4), timeout_s=60) for i in range(6)]
+    theirs = [_call(client, grpc_server, _req(f"both-{i}"), timeout_s=60) for i in range(6)]
+    results = await asyncio.gather(*(_frames(c) for c in ours), *(_frames(c) for c in theirs), return_exceptions=True)
+    assert all(r[-1].complete.finish_reason == "length" for r in results[:6])  # type: ignore[index]
+    assert all(
+        isinstance(r, grpc.aio.AioRpcError) and r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in results[6:]
+    )
+    assert watched == [client._poller.fileno()] and not client._fds
+
+
+async def test_a_socket_closed_under_the_epoll_is_forgotten_and_its_number_watched_anew(client: CurlGrpc) -> None:
+    """curl tells of a socket's end before it closes it. Should it not, the kernel drops the socket from the
+    epoll with its close: a REMOVE after that is not an error, and a new socket given the same number is
+    watched, not taken for the old one."""
+    client._open()
+    assert client._poller is not None
+    a, b = socket.socketpair()
+    fd = a.fileno()
+    client._on_socket(pycurl.POLL_IN, fd, None, None)
+    a.close()  # no REMOVE first
+    c, d = socket.socketpair()
+    assert c.fileno() == fd  # the lowest free number comes back
+    client._on_socket(pycurl.POLL_INOUT, fd, None, None)  # the kernel forgot the old one: added, not modified
+    with b, d:
+        assert client._poller.poll(0) == [(fd, select.EPOLLOUT)]
+        c.close()
+        client._on_socket(pycurl.POLL_REMOVE, fd, None, None)  # a REMOVE after the close
+        assert not client._fds and client._poller.poll(0) == []
 
 
 async def test_a_cancelled_reader_leaves_the_call_readable(client: CurlGrpc, grpc_server: str) -> None:
