@@ -1,6 +1,6 @@
 """The router's Generate calls, the one RPC on its hot path, over libcurl (pycurl) instead of grpc.aio.
 
-One curl multi handle, driven by the router's event loop (curl's sockets sit in an epoll of this module's,
+One curl multi handle, driven by the router's event loop (curl's sockets sit in an epoll of the client's own,
 whose fd the loop watches; curl's timer is a `call_at`), carries every Generate, multiplexed as HTTP/2 streams
 over curl's connections to each replica (prior knowledge, cleartext). libcurl and its nghttp2 do HTTP/2 and
 HPACK; this module frames gRPC messages (a flag byte and a 4-byte length before each) and reads the status from
@@ -22,6 +22,7 @@ per request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import select
@@ -79,14 +80,13 @@ _HTTP_STATUS = {
 _STATUS_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
 _OK_LINE = b"grpc-status: 0\r\n"  # as curl writes a header (nghttp2 gives names in lower case)
 # curl's wishes for a socket as epoll events, and epoll's answer as curl's. An error or a hang-up comes whatever
-# was asked; as the loop's readers and writers did, it makes the socket ready for what curl asked, and curl finds
-# the cause when it reads or writes.
+# was asked; as with the loop's readers and writers, it makes the socket ready for what curl asked (and an error
+# is passed on as CSELECT_ERR too), and curl finds the cause when it reads or writes.
 _EPOLL_EVENTS = {
     pycurl.POLL_IN: select.EPOLLIN,
     pycurl.POLL_OUT: select.EPOLLOUT,
     pycurl.POLL_INOUT: select.EPOLLIN | select.EPOLLOUT,
-    pycurl.POLL_REMOVE: 0,
-}
+}  # anything else (POLL_REMOVE, POLL_NONE): not watched
 _EPOLL_BROKEN = select.EPOLLERR | select.EPOLLHUP
 _CSELECT = [
     (pycurl.CSELECT_IN if e & select.EPOLLIN else 0)
@@ -94,7 +94,6 @@ _CSELECT = [
     | (pycurl.CSELECT_ERR if e & select.EPOLLERR else 0)
     for e in range((select.EPOLLIN | select.EPOLLOUT | select.EPOLLERR) + 1)
 ]
-_SELECT_MASK = len(_CSELECT) - 1
 _READY_BATCH = 256  # sockets handled per wake of the loop
 
 
@@ -418,6 +417,7 @@ class CurlGrpc:
             call.cancel()
         if self._timer is not None:
             self._timer.cancel()
+            self._timer = None
         for curl in self._idle:
             curl.close()
         self._idle.clear()
@@ -438,10 +438,10 @@ class CurlGrpc:
 
         curl asks to watch a socket when a call starts on an idle connection and to forget it when the last
         call on it ends; at one request at a time, that is every request, for the connection and for the
-        eventfd curl watches beside it. Each `add_reader` makes the loop a poll handle (an fd check, a
-        non-blocking `ioctl`, an `epoll_ctl` to add it, later three to remove it), 15 system calls a request in
-        all. In an epoll of our own each change is one `epoll_ctl`, and the loop watches only that epoll's fd,
-        which is readable while any socket in it is ready."""
+        eventfd curl watches beside it. Each `add_reader` makes the loop a poll handle (an fd check of two
+        `epoll_ctl`, a non-blocking `ioctl`, an `epoll_ctl` to add it, later three to remove it), 15 system calls
+        a request in all. In an epoll of our own each change is one `epoll_ctl`, and the loop watches only that
+        epoll's fd, which is readable while any socket in it is ready."""
         self._loop = asyncio.get_running_loop()
         self._poller = select.epoll()
         self._loop.add_reader(self._poller.fileno(), self._on_ready)
@@ -479,8 +479,8 @@ class CurlGrpc:
         poller = self._poller
         if poller is None:
             return
+        new = _EPOLL_EVENTS.get(what, 0)
         old = self._fds.pop(fd, 0)
-        new = _EPOLL_EVENTS[what]
         try:
             if not new:
                 poller.unregister(fd)
@@ -507,10 +507,15 @@ class CurlGrpc:
             return
         for fd, events in poller.poll(0, _READY_BATCH):
             asked = self._fds.get(fd)
-            if asked:  # (an earlier socket's action may have made curl forget this one)
-                if events & _EPOLL_BROKEN:
-                    events |= asked
-                self._act(fd, _CSELECT[events & _SELECT_MASK])
+            if asked is None:
+                # Not curl's (any more): an earlier socket's action in this batch made curl forget it, or the
+                # epoll kept a socket curl stopped watching. Left in, it would wake the loop forever.
+                with contextlib.suppress(OSError):
+                    poller.unregister(fd)
+                continue
+            if events & _EPOLL_BROKEN:
+                events |= asked
+            self._act(fd, _CSELECT[events & (asked | select.EPOLLERR)])  # only what curl asked for
 
     def _on_timer(self, ms: int) -> None:
         """curl's next timeout moved. A timer already due sooner is kept: firing early only makes curl

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import select
 import socket
@@ -14,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import grpc
 import h2.config
@@ -189,6 +191,13 @@ async def test_statuses_of_a_grpc_server_read_as_grpc_aio_reads_them(client: Cur
         assert ours == frames  # the frames before the error are read first
 
 
+def _in_epoll(client: CurlGrpc) -> set[int]:
+    """The fds the kernel holds in the client's epoll (its `tfd:` lines in /proc)."""
+    assert client._poller is not None
+    info = Path(f"/proc/self/fdinfo/{client._poller.fileno()}").read_text()
+    return {int(line.split()[1]) for line in info.splitlines() if line.startswith("tfd:")}
+
+
 async def test_curl_s_sockets_are_watched_in_its_epoll_and_the_loop_watches_that_alone(
     client: CurlGrpc, replica: Proc, grpc_server: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -203,7 +212,7 @@ async def test_curl_s_sockets_are_watched_in_its_epoll_and_the_loop_watches_that
     for i in range(4):
         frames = await _frames(_call(client, _target(replica), _req(f"alone-{i}", max_tokens=1)))
         assert frames[-1].complete.finish_reason == "length"
-        assert not client._fds  # its call ended: curl forgot its sockets, and so did the epoll
+        assert not client._fds and not _in_epoll(client)  # its call ended: curl forgot its sockets, so did the epoll
     assert client._poller is not None and watched == [client._poller.fileno()]
     monkeypatch.setattr(grpc_stream, "_READY_BATCH", 1)
     ours = [_call(client, _target(replica), _req(f"both-{i}", max_tokens=4), timeout_s=60) for i in range(6)]
@@ -216,24 +225,66 @@ async def test_curl_s_sockets_are_watched_in_its_epoll_and_the_loop_watches_that
     assert watched == [client._poller.fileno()] and not client._fds
 
 
+def _high_fd(sock: socket.socket) -> int:
+    """`sock`'s socket under a number of its own, well above those the process's threads take (they get the lowest
+    free), so a test can close it and give the number to another socket; `sock` itself is closed."""
+    with sock:
+        return fcntl.fcntl(sock.fileno(), fcntl.F_DUPFD, 900)
+
+
 async def test_a_socket_closed_under_the_epoll_is_forgotten_and_its_number_watched_anew(client: CurlGrpc) -> None:
     """curl tells of a socket's end before it closes it. Should it not, the kernel drops the socket from the
-    epoll with its close: a REMOVE after that is not an error, and a new socket given the same number is
-    watched, not taken for the old one."""
+    epoll when its last descriptor closes: a REMOVE after that is not an error, and a new socket given the same
+    number is watched, not taken for the old one."""
     client._open()
     assert client._poller is not None
     a, b = socket.socketpair()
-    fd = a.fileno()
+    fd = _high_fd(a)
     client._on_socket(pycurl.POLL_IN, fd, None, None)
-    a.close()  # no REMOVE first
+    os.close(fd)  # no REMOVE first
     c, d = socket.socketpair()
-    assert c.fileno() == fd  # the lowest free number comes back
+    os.dup2(c.fileno(), fd)
+    c.close()
     client._on_socket(pycurl.POLL_INOUT, fd, None, None)  # the kernel forgot the old one: added, not modified
     with b, d:
         assert client._poller.poll(0) == [(fd, select.EPOLLOUT)]
-        c.close()
+        os.close(fd)
         client._on_socket(pycurl.POLL_REMOVE, fd, None, None)  # a REMOVE after the close
         assert not client._fds and client._poller.poll(0) == []
+
+
+async def test_ready_sockets_reach_curl_as_it_asked_and_strays_leave_the_epoll(
+    client: CurlGrpc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What `_on_ready` hands curl: every ready socket, over as many wakes as the batch takes (epoll reports
+    again what was left); for each, only the directions curl asked for, a hang-up included; and a ready socket
+    curl does not ask about is taken out of the epoll, where it would wake the loop forever."""
+    client._open()
+    assert client._poller is not None
+    acted: list[tuple[int, int]] = []
+    monkeypatch.setattr(client, "_act", lambda fd, events: acted.append((fd, events)))
+    monkeypatch.setattr(grpc_stream, "_READY_BATCH", 1)
+    (a1, b1), (a2, b2) = socket.socketpair(), socket.socketpair()
+    fd1, fd2 = _high_fd(a1), _high_fd(a2)
+    try:
+        for fd, peer in ((fd1, b1), (fd2, b2)):
+            client._on_socket(pycurl.POLL_IN, fd, None, None)
+            peer.send(b"x")  # readable, and stays so: nothing reads it
+        client._on_ready()
+        client._on_ready()
+        assert sorted(acted) == [(fd1, pycurl.CSELECT_IN), (fd2, pycurl.CSELECT_IN)]
+        acted.clear()
+        b1.close()  # a hang-up: readable (the byte, then the end) and writable, but curl asks to write only
+        client._on_socket(pycurl.POLL_OUT, fd1, None, None)
+        del client._fds[fd2]  # the epoll holds a socket curl no longer asks about
+        for _ in range(3):
+            client._on_ready()
+        assert acted and set(acted) == {(fd1, pycurl.CSELECT_OUT)}
+        assert [fd for fd, _ in client._poller.poll(0, 8)] == [fd1]  # fd2 is out
+    finally:
+        os.close(fd1)
+        os.close(fd2)
+        b2.close()
 
 
 async def test_a_cancelled_reader_leaves_the_call_readable(client: CurlGrpc, grpc_server: str) -> None:
