@@ -55,13 +55,13 @@ class CircuitBreaker:
 
     def allows(self, now: float) -> bool:
         """May a request be sent now? An open breaker turns half-open after its open duration."""
+        if self.state is BreakerState.CLOSED:  # the common case, asked per instance per selection
+            return True
         if self.state is BreakerState.OPEN and now - self._opened_at >= self.config.open_duration_s:
             self.state = BreakerState.HALF_OPEN
             self._successes = 0
             self._trial_in_flight = False
-        if self.state is BreakerState.HALF_OPEN:
-            return not self._trial_in_flight
-        return self.state is BreakerState.CLOSED
+        return self.state is BreakerState.HALF_OPEN and not self._trial_in_flight
 
     def on_dispatch(self) -> None:
         if self.state is BreakerState.HALF_OPEN:

@@ -70,7 +70,7 @@ class HttpWorkers:
 
     @staticmethod
     def _headers(headers: Mapping[str, str]) -> dict[str, str]:
-        return {k: v for k, v in headers.items() if k in _FORWARDED_HEADERS}
+        return {k: headers[k] for k in _FORWARDED_HEADERS if k in headers}
 
     def _within_timeout(self) -> contextlib.AbstractAsyncContextManager[object]:
         """The request timeout, if there is one (with none, `asyncio.timeout(None)` would only cost CPU)."""
@@ -81,7 +81,9 @@ class HttpWorkers:
     async def forward(self, worker: Worker, path: str, body: bytes, headers: Mapping[str, str]) -> HttpResponse:
         host, port = worker.host_port
         try:
-            async with self._within_timeout():
+            if self._request_timeout_s is None:  # the default: no context to enter
+                return await self._fast.post(host, port, path, body, self._headers(headers))
+            async with asyncio.timeout(self._request_timeout_s):
                 return await self._fast.post(host, port, path, body, self._headers(headers))
         except (ConnectionError, TimeoutError) as e:
             raise self._error(worker, e) from e

@@ -244,7 +244,7 @@ class Selector:
         """Record the choice: in-flight count, group pin, the policy's own bookkeeping, the pinned version."""
         instance.inflight += 1
         instance.breaker.on_dispatch()
-        group = self._psrl(meta) and self.config.enable_group_sticky and meta.prompt_id is not None
+        group = meta.prompt_id is not None and self.config.enable_group_sticky and self._psrl(meta)
         if group:
             assert meta.prompt_id is not None
             self.group_pins.acquire(meta.prompt_id, instance.id)
