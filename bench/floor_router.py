@@ -1,11 +1,15 @@
 """The floor of a router built on our two edges, for `router_overhead.py --floor` (not a router: no checks, no
-selection, no partial rollout, no metrics). It answers `POST /generate` the cheapest way those edges allow:
-`psrl.serving.http1` reads the request, msgspec decodes its body, a Generate with its ids (appended packed, as
-the router appends them: `tokenized_field`) and two sampling settings goes round-robin to the replicas over the
-router's libcurl client (`psrl.router.grpc_stream`), and msgspec writes the answer from the complete frame. What
-our router spends beyond this leg is its middle: the pipeline, the checks, selection and shaping.
+selection, no partial rollout, no metrics). Given gRPC replicas, it answers `POST /generate` the cheapest way
+those edges allow: `psrl.serving.http1` reads the request, msgspec decodes its body, a Generate with its ids
+(appended packed, as the router appends them: `tokenized_field`) and two sampling settings goes round-robin to
+the replicas over the router's libcurl client (`psrl.router.grpc_stream`), and msgspec writes the answer from
+the complete frame. Given HTTP backends, it forwards each POST as it came (path, body, content type)
+round-robin over the router's HTTP client (`psrl.router.http_client`) and returns the backend's status, body
+and content type, as our router proxies a model served only over HTTP (a stream's answer comes back whole).
+What our router spends beyond this leg is its middle: the pipeline, the checks, selection and shaping.
 
 Run: python bench/floor_router.py --host 127.0.0.1 --port 0 --worker-urls grpc://R1 grpc://R2
+     python bench/floor_router.py --host 127.0.0.1 --port 0 --worker-urls http://B1 http://B2
 It prints `FLOOR_ROUTER_READY http://HOST:PORT` on stdout once it listens.
 """
 
@@ -22,6 +26,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2
 
 from psrl.router.errors import BadRequest
 from psrl.router.grpc_stream import CurlGrpc
+from psrl.router.http_client import HttpClient
 from psrl.router.pipeline.context import tokenized_field
 from psrl.router.pipeline.execute import TRAILERS_GRACE_S
 from psrl.router.worker_client import GENERATE_METHOD
@@ -33,6 +38,8 @@ READY_MARKER = "FLOOR_ROUTER_READY"
 
 
 class FloorRouter:
+    """`/generate` over gRPC."""
+
     def __init__(self, worker_urls: list[str]) -> None:
         self._targets = itertools.cycle([url.removeprefix("grpc://") for url in worker_urls])
         self._ids = itertools.count()
@@ -42,7 +49,7 @@ class FloorRouter:
 
     async def handle(self, request: Request) -> Response:
         if (request.method, request.path) != ("POST", "/generate"):
-            return self._error(404, f"only POST /generate is served, not {request.method} {request.path}")
+            return _error(404, f"only POST /generate is served, not {request.method} {request.path}")
         try:
             body = self._decode(request.body)
             sampling = body.get("sampling_params") or {}
@@ -51,14 +58,14 @@ class FloorRouter:
             generate.sampling_params.temperature = sampling.get("temperature", 1.0)
             request = generate.SerializeToString() + tokenized_field(body["input_ids"])
         except (msgspec.DecodeError, KeyError, TypeError, AttributeError, BadRequest) as e:
-            return self._error(400, f"unreadable /generate body: {e!r}")
+            return _error(400, f"unreadable /generate body: {e!r}")
         call = self._curl.unary_stream(
             next(self._targets), GENERATE_METHOD, request, vllm_engine_pb2.GenerateResponse.FromString
         )
         frame = await call.read()
         if frame is None or frame.WhichOneof("response") != "complete":
             call.cancel()
-            return self._error(502, "the replica answered without a complete frame")
+            return _error(502, "the replica answered without a complete frame")
         call.release(TRAILERS_GRACE_S)  # only its trailers are left, as the router releases its calls
         done = frame.complete
         answer = {
@@ -72,9 +79,32 @@ class FloorRouter:
         }
         return Response(self._encode(answer), 200, "application/json", None)
 
-    @staticmethod
-    def _error(status: int, message: str) -> Response:
-        return Response(_render_error("floor_error", message), status, "application/json", None)
+
+class HttpFloor:
+    """Any POST, proxied as it came."""
+
+    def __init__(self, worker_urls: list[str]) -> None:
+        targets = []
+        for url in worker_urls:
+            host, _, port = url.removeprefix("http://").rstrip("/").rpartition(":")
+            targets.append((host, int(port)))
+        self._targets = itertools.cycle(targets)
+        self._client = HttpClient()
+
+    async def handle(self, request: Request) -> Response:
+        if request.method != "POST":
+            return _error(405, f"only POST is proxied, not {request.method} {request.path}")
+        host, port = next(self._targets)
+        headers = {"content-type": request.headers.get("content-type", "application/json")}
+        try:
+            up = await self._client.post(host, port, request.path, request.body, headers)
+        except ConnectionError as e:
+            return _error(502, f"the backend at {host}:{port} failed: {e}")
+        return Response(up.body, up.status, up.headers.get("content-type", "application/json"), None)
+
+
+def _error(status: int, message: str) -> Response:
+    return Response(_render_error("floor_error", message), status, "application/json", None)
 
 
 def _render_error(code: str, message: str) -> bytes:
@@ -97,7 +127,13 @@ def main() -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--worker-urls", nargs="+", required=True)
     args = p.parse_args()
-    floor = FloorRouter(args.worker_urls)
+    schemes = {url.partition("://")[0] for url in args.worker_urls}
+    if schemes == {"grpc"}:
+        floor: FloorRouter | HttpFloor = FloorRouter(args.worker_urls)
+    elif schemes == {"http"}:
+        floor = HttpFloor(args.worker_urls)
+    else:
+        p.error(f"--worker-urls: all grpc:// or all http://, not {sorted(schemes)}")
     config = uvicorn.Config(
         _Lifespan(),
         host=args.host,

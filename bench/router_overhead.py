@@ -11,6 +11,9 @@ Two sections, each self-contained (it starts its backends and routers on 127.0.0
   not the request rate. With --floor, also bench/floor_router.py on /generate: the least a router on our
   HTTP server and gRPC client does per request, so what our router spends beyond it is its middle.
 
+With --floor the http section also runs bench/floor_router.py as a plain proxy (each POST forwarded as it came
+over our HTTP client): the least our two HTTP edges cost, against which the proxied path's middle shows.
+
 Every leg runs at each --connections value (default 64 and 1): a warm-up, then --repeat measured windows of
 --duration seconds (median reported, min-max shown). Before each window the bench waits (up to --quiet-wait s)
 until the rest of the machine is quiet, and it reports how many cores others used during the window, since on
@@ -829,10 +832,10 @@ def router_targets(args: argparse.Namespace, section: str, urls: list[str]) -> l
         argv += ["--prometheus-host", HOST, "--prometheus-port", str(free_port()), "--log-level", "warn"]
         out.append((f"smg-{section}", argv + (["--disable-tokenizer-autoload"] if section == "http" else []), port))
 
-    if section == "grpc" and args.floor:
+    if args.floor:
         port = free_port()
         argv = [sys.executable, str(REPO / "bench" / "floor_router.py"), "--host", HOST, "--port", str(port)]
-        out.append(("floor-grpc", [*argv, "--worker-urls", *urls], port))
+        out.append((f"floor-{section}", [*argv, "--worker-urls", *urls], port))
 
     if section == "http":
         vr = find_tool("vllm-router")
@@ -891,7 +894,7 @@ def start_target(
     run: Run,
 ) -> tuple[Target, subprocess.Popen[bytes]] | None:
     """Launch one router and wait until it serves; None (noted) if it cannot."""
-    if name.startswith("floor"):  # it serves /generate only
+    if name == "floor-grpc":  # it serves /generate only
         loads = [load for load in loads if load.path == "/generate"]
         if not loads:
             note(run, section, name, "it serves /generate only (add `generate` to --loads)")
@@ -1306,7 +1309,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true", help="one 2 s window per leg after 0.5 s warm-up")
     p.add_argument("--profile", action="store_true", help="py-spy our router under the highest concurrency")
-    p.add_argument("--floor", action="store_true", help="grpc section: add bench/floor_router.py (/generate only)")
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="add bench/floor_router.py: grpc section /generate only; http section a bare proxy",
+    )
     p.add_argument("--profile-duration", type=float, default=8.0)
     p.add_argument("--profile-top", type=int, default=15)
     p.add_argument("--torch-threads", type=int, default=1, help="for the reference replicas")

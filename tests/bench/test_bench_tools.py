@@ -1,6 +1,6 @@
 """The bench's own tools, where a wrong answer would pass unnoticed: `router_instructions.py`'s reading of a
 callgrind dump (a miscount skews every instruction figure it prints) and `floor_router.py`, the floor leg of
-`router_overhead.py --floor` (a floor that answered wrong would make our router look dear)."""
+`router_overhead.py --floor` in both sections (a floor that answered wrong would make our router look dear)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from _procs import REPO, Proc, popen, read_ready_line
+from _procs import REPO, Proc, free_port, popen, read_ready_line, start_router
 
 from psrl.gateway.processes import stop_processes
 
@@ -61,15 +61,29 @@ def test_a_dump_s_instructions_are_its_summary_and_each_object_s_share_its_self_
     assert list(shares) == ["libpython3.11.so.1.0", "libc.so.6"]  # largest first
 
 
+def _start_floor(worker_urls: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    """bench/floor_router.py in front of `worker_urls`, and its address."""
+    argv = [sys.executable, str(REPO / "bench" / "floor_router.py"), "--host", "127.0.0.1", "--port", "0"]
+    with open(log, "wb") as stderr:  # the child keeps its own copy
+        proc = popen(
+            [*argv, "--worker-urls", *worker_urls],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            cwd=REPO,
+            start_new_session=True,
+        )
+    try:
+        return proc, read_ready_line(proc, log, floor_router.READY_MARKER, 60)
+    except BaseException:
+        stop_processes([proc])
+        raise
+
+
 @pytest.fixture(scope="module")
 def floor(replica: Proc, log_dir: Path) -> Iterator[str]:
-    log = log_dir / "floor_router.log"
-    script = REPO / "bench" / "floor_router.py"
-    argv = [sys.executable, str(script), "--host", "127.0.0.1", "--port", "0", "--worker-urls", replica.url]
-    with open(log, "wb") as stderr:  # the child keeps its own copy
-        proc = popen(argv, stdout=subprocess.PIPE, stderr=stderr, cwd=REPO, start_new_session=True)
+    proc, url = _start_floor([replica.url], log_dir / "floor_router.log")
     try:
-        yield read_ready_line(proc, log, floor_router.READY_MARKER, 60)
+        yield url
     finally:
         stop_processes([proc])
 
@@ -97,3 +111,48 @@ def test_the_floor_refuses_what_it_does_not_serve(floor: str) -> None:
     assert missing.status_code == 400
     other = httpx.get(f"{floor}/v1/models", timeout=10)
     assert other.status_code == 404 and other.json()["error"]["code"] == "floor_error"
+
+
+@pytest.fixture(scope="module")
+def fast_backend(log_dir: Path) -> Iterator[str]:
+    log = log_dir / "fast_backend.log"
+    argv = [sys.executable, str(REPO / "bench" / "fast_backend.py"), "--host", "127.0.0.1", "--port", "0"]
+    with open(log, "wb") as stderr:
+        proc = popen(argv, stdout=subprocess.PIPE, stderr=stderr, cwd=REPO, start_new_session=True)
+    try:
+        yield read_ready_line(proc, log, "FAST_BACKEND_READY", 30)
+    finally:
+        stop_processes([proc])
+
+
+def test_the_http_floor_proxies_as_the_router_does(fast_backend: str, log_dir: Path) -> None:
+    """The http section's floor leg: a chat request through the floor, through our router (a model served only
+    over HTTP) and straight to the backend gets the same answer; what the backend refuses reaches the client as
+    it was; a backend that is gone is a 502 naming it."""
+    floor, floor_url = _start_floor([fast_backend], log_dir / "floor_http.log")
+    router = start_router(log_dir, [fast_backend], args=["--connection-mode", "http"])
+    try:
+        body = {"model": "bench-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+        direct = httpx.post(f"{fast_backend}/v1/chat/completions", json=body, timeout=10)
+        for url in (floor_url, router.url):
+            r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=10)
+            assert (r.status_code, r.content) == (200, direct.content), url
+            assert r.headers["content-type"] == direct.headers["content-type"]
+        refused = httpx.post(f"{floor_url}/no/such/path", json=body, timeout=10)
+        assert refused.status_code == 404
+        assert refused.content == httpx.post(f"{fast_backend}/no/such/path", json=body, timeout=10).content
+        assert httpx.get(f"{floor_url}/v1/models", timeout=10).status_code == 405
+    finally:
+        stop_processes([floor, router.proc])
+    gone, gone_url = _start_floor([f"http://127.0.0.1:{free_port()}"], log_dir / "floor_gone.log")
+    try:
+        r = httpx.post(f"{gone_url}/v1/chat/completions", json=body, timeout=10)
+        assert r.status_code == 502 and "the backend at 127.0.0.1:" in r.json()["error"]["message"]
+    finally:
+        stop_processes([gone])
+
+
+def test_the_floor_takes_one_kind_of_worker(log_dir: Path) -> None:
+    argv = [sys.executable, str(REPO / "bench" / "floor_router.py"), "--worker-urls", "grpc://a:1", "http://b:2"]
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert done.returncode == 2 and "all grpc:// or all http://" in done.stderr
