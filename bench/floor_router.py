@@ -19,6 +19,7 @@ import argparse
 import itertools
 import json
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 import uvicorn
@@ -83,11 +84,7 @@ class FloorRouter:
 class HttpFloor:
     """Any POST, proxied as it came."""
 
-    def __init__(self, worker_urls: list[str]) -> None:
-        targets = []
-        for url in worker_urls:
-            host, _, port = url.removeprefix("http://").rstrip("/").rpartition(":")
-            targets.append((host, int(port)))
+    def __init__(self, targets: list[tuple[str, int]]) -> None:
         self._targets = itertools.cycle(targets)
         self._client = HttpClient()
 
@@ -111,8 +108,20 @@ def _render_error(code: str, message: str) -> bytes:
     return json.dumps({"error": {"code": code, "message": message}}).encode()
 
 
+def _http_target(url: str) -> tuple[str, int] | None:
+    """http://HOST:PORT as (host, port); None for anything else."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme != "http" or not parts.hostname or port is None or parts.path.strip("/"):
+        return None
+    return parts.hostname, port
+
+
 class _Lifespan:
-    """ASGI for uvicorn's lifespan only (requests reach `FloorRouter.handle` through http1)."""
+    """ASGI for uvicorn's lifespan only (requests reach a floor's `handle` through http1)."""
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         await receive()
@@ -127,13 +136,18 @@ def main() -> None:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--worker-urls", nargs="+", required=True)
     args = p.parse_args()
-    schemes = {url.partition("://")[0] for url in args.worker_urls}
-    if schemes == {"grpc"}:
-        floor: FloorRouter | HttpFloor = FloorRouter(args.worker_urls)
-    elif schemes == {"http"}:
-        floor = HttpFloor(args.worker_urls)
+    http = [url for url in args.worker_urls if url.startswith("http://")]
+    floor: FloorRouter | HttpFloor
+    if not http:
+        floor = FloorRouter(args.worker_urls)
+    elif len(http) < len(args.worker_urls):
+        p.error("--worker-urls: all gRPC replicas or all http:// backends, not both")
     else:
-        p.error(f"--worker-urls: all grpc:// or all http://, not {sorted(schemes)}")
+        targets = [_http_target(url) for url in http]
+        bad = [url for url, target in zip(http, targets, strict=True) if target is None]
+        if bad:
+            p.error(f"--worker-urls: not http://HOST:PORT: {' '.join(bad)}")
+        floor = HttpFloor([t for t in targets if t is not None])
     config = uvicorn.Config(
         _Lifespan(),
         host=args.host,

@@ -61,22 +61,23 @@ def test_a_dump_s_instructions_are_its_summary_and_each_object_s_share_its_self_
     assert list(shares) == ["libpython3.11.so.1.0", "libc.so.6"]  # largest first
 
 
-def _start_floor(worker_urls: list[str], log: Path) -> tuple[subprocess.Popen, str]:
-    """bench/floor_router.py in front of `worker_urls`, and its address."""
-    argv = [sys.executable, str(REPO / "bench" / "floor_router.py"), "--host", "127.0.0.1", "--port", "0"]
+FLOOR = REPO / "bench" / "floor_router.py"
+
+
+def _start_script(script: Path, args: list[str], marker: str, log: Path) -> tuple[subprocess.Popen, str]:
+    """One of bench/'s servers, and the address it announces."""
+    argv = [sys.executable, str(script), "--host", "127.0.0.1", "--port", "0", *args]
     with open(log, "wb") as stderr:  # the child keeps its own copy
-        proc = popen(
-            [*argv, "--worker-urls", *worker_urls],
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            cwd=REPO,
-            start_new_session=True,
-        )
+        proc = popen(argv, stdout=subprocess.PIPE, stderr=stderr, cwd=REPO, start_new_session=True)
     try:
-        return proc, read_ready_line(proc, log, floor_router.READY_MARKER, 60)
+        return proc, read_ready_line(proc, log, marker, 60)
     except BaseException:
         stop_processes([proc])
         raise
+
+
+def _start_floor(worker_urls: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    return _start_script(FLOOR, ["--worker-urls", *worker_urls], floor_router.READY_MARKER, log)
 
 
 @pytest.fixture(scope="module")
@@ -115,35 +116,37 @@ def test_the_floor_refuses_what_it_does_not_serve(floor: str) -> None:
 
 @pytest.fixture(scope="module")
 def fast_backend(log_dir: Path) -> Iterator[str]:
-    log = log_dir / "fast_backend.log"
-    argv = [sys.executable, str(REPO / "bench" / "fast_backend.py"), "--host", "127.0.0.1", "--port", "0"]
-    with open(log, "wb") as stderr:
-        proc = popen(argv, stdout=subprocess.PIPE, stderr=stderr, cwd=REPO, start_new_session=True)
+    proc, url = _start_script(REPO / "bench" / "fast_backend.py", [], "FAST_BACKEND_READY", log_dir / "backend.log")
     try:
-        yield read_ready_line(proc, log, "FAST_BACKEND_READY", 30)
+        yield url
     finally:
         stop_processes([proc])
 
 
 def test_the_http_floor_proxies_as_the_router_does(fast_backend: str, log_dir: Path) -> None:
-    """The http section's floor leg: a chat request through the floor, through our router (a model served only
-    over HTTP) and straight to the backend gets the same answer; what the backend refuses reaches the client as
-    it was; a backend that is gone is a 502 naming it."""
+    """The http section's floor leg: a chat request, plain or streamed, through the floor, through our router (a
+    model served only over HTTP) and straight to the backend gets the same answer (the backend answers a stream
+    only when the body it was sent asks for one); what the backend refuses reaches the client as it was; a
+    backend that is gone is a 502 naming it."""
     floor, floor_url = _start_floor([fast_backend], log_dir / "floor_http.log")
-    router = start_router(log_dir, [fast_backend], args=["--connection-mode", "http"])
+    procs = [floor]
     try:
+        router = start_router(log_dir, [fast_backend], args=["--connection-mode", "http"])
+        procs.append(router.proc)
         body = {"model": "bench-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
-        direct = httpx.post(f"{fast_backend}/v1/chat/completions", json=body, timeout=10)
-        for url in (floor_url, router.url):
-            r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=10)
-            assert (r.status_code, r.content) == (200, direct.content), url
-            assert r.headers["content-type"] == direct.headers["content-type"]
+        for sent in (body, {**body, "stream": True}):
+            direct = httpx.post(f"{fast_backend}/v1/chat/completions", json=sent, timeout=10)
+            for url in (floor_url, router.url):
+                r = httpx.post(f"{url}/v1/chat/completions", json=sent, timeout=10)
+                assert (r.status_code, r.content) == (200, direct.content), url
+                assert r.headers["content-type"] == direct.headers["content-type"]
+        assert direct.content.startswith(b"data: ") and direct.headers["content-type"] == "text/event-stream"
         refused = httpx.post(f"{floor_url}/no/such/path", json=body, timeout=10)
         assert refused.status_code == 404
         assert refused.content == httpx.post(f"{fast_backend}/no/such/path", json=body, timeout=10).content
         assert httpx.get(f"{floor_url}/v1/models", timeout=10).status_code == 405
     finally:
-        stop_processes([floor, router.proc])
+        stop_processes(procs)
     gone, gone_url = _start_floor([f"http://127.0.0.1:{free_port()}"], log_dir / "floor_gone.log")
     try:
         r = httpx.post(f"{gone_url}/v1/chat/completions", json=body, timeout=10)
@@ -152,7 +155,16 @@ def test_the_http_floor_proxies_as_the_router_does(fast_backend: str, log_dir: P
         stop_processes([gone])
 
 
-def test_the_floor_takes_one_kind_of_worker(log_dir: Path) -> None:
-    argv = [sys.executable, str(REPO / "bench" / "floor_router.py"), "--worker-urls", "grpc://a:1", "http://b:2"]
-    done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=60)
-    assert done.returncode == 2 and "all grpc:// or all http://" in done.stderr
+@pytest.mark.parametrize(
+    ("urls", "why"),
+    [
+        (["grpc://a:1", "http://b:2"], "all gRPC replicas or all http:// backends"),
+        (["http://b"], "not http://HOST:PORT: http://b"),
+        (["http://b:2/v1"], "not http://HOST:PORT: http://b:2/v1"),
+    ],
+)
+def test_the_floor_refuses_worker_urls_it_cannot_use(urls: list[str], why: str) -> None:
+    done = subprocess.run(
+        [sys.executable, str(FLOOR), "--worker-urls", *urls], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
+    assert done.returncode == 2 and why in done.stderr
