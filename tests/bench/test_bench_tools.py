@@ -1,10 +1,13 @@
 """The bench's own tools, where a wrong answer would pass unnoticed: `router_instructions.py`'s reading of a
-callgrind dump (a miscount skews every instruction figure it prints) and `floor_router.py`, the floor leg of
-`router_overhead.py --floor` in both sections (a floor that answered wrong would make our router look dear)."""
+callgrind dump (a miscount skews every instruction figure it prints), `floor_router.py`, the floor leg of
+`router_overhead.py --floor` in both sections (a floor that answered wrong would make our router look dear),
+and `router_middle.py`'s loop (one that failed its requests, or never reached the faked edge, would count the
+wrong work)."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,6 +22,7 @@ from psrl.gateway.processes import stop_processes
 sys.path.insert(0, str(REPO / "bench"))
 router_instructions = importlib.import_module("router_instructions")
 floor_router = importlib.import_module("floor_router")
+router_middle = importlib.import_module("router_middle")
 
 # A callgrind dump in the shape valgrind writes it: names compressed to "(id) name" on first use and "(id)"
 # after, positions absolute, relative (+/-) or the same (*), and a call's inclusive cost on the line after its
@@ -168,3 +172,23 @@ def test_the_floor_refuses_worker_urls_it_cannot_use(urls: list[str], why: str) 
         [sys.executable, str(FLOOR), "--worker-urls", *urls], capture_output=True, text=True, cwd=REPO, timeout=60
     )
     assert done.returncode == 2 and why in done.stderr
+
+
+@pytest.mark.parametrize("load", router_middle.LOADS)
+def test_the_middle_s_loop_runs_the_router_s_requests_to_its_faked_edge(load: str) -> None:
+    """What router_middle.py counts: every request answered 200 by the router's own app, each one reaching the
+    faked client once, with the answer the endpoint shapes."""
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "router_middle.py"), "--child", load, "7"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    assert result["status"] == 200 and result["upstream_calls"] == router_middle.WARMUP + 7
+    if load == "generate":
+        assert result["body"]["output_ids"] == [42] and result["body"]["meta_info"]["prompt_tokens"] == 200
+    else:
+        assert result["body"]["choices"][0]["message"]["content"] == "hi"

@@ -1,0 +1,205 @@
+"""Instructions per request of the router's middle alone, counted by valgrind's callgrind.
+
+The router's app is built in this process with two workers, and its edges are replaced by ones that answer
+at once: for `generate`, the gRPC client's call returns a complete Generate frame (two gRPC workers); for
+`proxied`, the HTTP client returns a fixed chat answer (two HTTP-only workers). Requests then go through the
+app's own routing (`App.handle`), so what runs is everything between our HTTP server and our clients: the
+endpoint wrapper, the pipeline, selection, metrics, the answer's shape. No sockets, no event-loop waits.
+
+Each count is two runs under callgrind, one with --requests and one with none (both with the same warm-up),
+and the difference divided by --requests: start-up, imports and the warm-up cancel out. The figure moves well
+under 1% from run to run, where `router_instructions.py` (a whole router behind real replicas) moves about 2%,
+so it weighs a change of the middle in a few minutes. It counts work, not time: what a request costs at 1
+connection also depends on the caches it finds (docs/performance.md, "The edges and the middle").
+
+Run from the repo root with the venv active (valgrind must be installed):
+    python bench/router_middle.py                        # both loads, this tree (~3 min)
+    python bench/router_middle.py --ab-src /tmp/old      # also another tree (git archive + _proto + the .so)
+    python bench/router_middle.py --child generate 100   # the loop alone, no valgrind (what the counts run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+LOADS = ("generate", "proxied")
+WARMUP = 50
+_COLLECTED = re.compile(r"Collected : (\d+)")
+
+
+def _use_tree(src: str | None) -> None:
+    """Import psrl from `src` (another tree of ours) instead of the installed package."""
+    if src:
+        sys.meta_path[:] = [f for f in sys.meta_path if "ScikitBuild" not in type(f).__name__]  # editable finder
+        sys.path.insert(0, str(Path(src).resolve()))
+
+
+def _generate_app() -> tuple[Any, str, bytes, Callable[[], int]]:
+    """The app with two gRPC workers whose Generate answers at once; the path, the body, and the calls made."""
+    from smg_grpc_proto.generated import vllm_engine_pb2
+
+    from psrl.router.app import RouterApp
+    from psrl.router.config import parse_args
+    from psrl.worker.model_folder import build_tiny_model_folder
+
+    app = RouterApp(parse_args(["--tokenizer-path", str(build_tiny_model_folder()), "--policy", "round_robin"]))
+    for i in range(2):
+        app.registry.create_worker(
+            str(i), f"grpc://127.0.0.1:{9000 + i}", models=["tiny"], labels={}, max_context_length=8192
+        )
+    frame = vllm_engine_pb2.GenerateResponse()
+    frame.complete.output_ids.extend([42])
+    frame.complete.finish_reason = "length"
+    frame.complete.prompt_tokens = 200
+    wire = frame.SerializeToString()
+    calls = 0
+
+    class Call:  # a finished unary-stream call: its one frame, then the end
+        def __init__(self) -> None:
+            self._frames = [vllm_engine_pb2.GenerateResponse.FromString(wire)]
+
+        async def read(self) -> Any:
+            return self._frames.pop() if self._frames else None
+
+        def release(self, grace_s: float) -> None:
+            pass
+
+        def cancel(self) -> bool:
+            return False
+
+        def done(self) -> bool:
+            return True
+
+        async def wait_for_connection(self) -> None:
+            pass
+
+    class Streams:  # the router's libcurl client, as `WorkerClients` uses it
+        def unary_stream(self, target: str, method: str, request: bytes, *args: Any, **kwargs: Any) -> Call:
+            nonlocal calls
+            calls += 1
+            return Call()
+
+        def close(self) -> None:
+            pass
+
+    app.clients._streams = Streams()  # the gRPC edge
+    ids = [3 + (i * 37) % 600 for i in range(200)]
+    body = {"model": "tiny", "input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    return app, "/generate", json.dumps(body).encode(), lambda: calls
+
+
+def _proxied_app() -> tuple[Any, str, bytes, Callable[[], int]]:
+    """The app with two HTTP-only workers whose answer comes at once; the path, the body, and the calls made."""
+    from psrl.router.app import RouterApp
+    from psrl.router.config import parse_args
+    from psrl.router.http_client import HttpResponse
+
+    app = RouterApp(parse_args(["--policy", "round_robin", "--connection-mode", "http"]))
+    for i in range(2):
+        app.registry.create_worker(
+            str(i),
+            f"http://127.0.0.1:{9000 + i}",
+            models=["fast"],
+            labels={},
+            max_context_length=8192,
+            connection_mode="http",
+        )
+    answer = {"object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}]}
+    raw = json.dumps(answer).encode()
+    calls = 0
+
+    class Client:  # the router's HTTP client, as `HttpWorkers` uses it for a non-streamed request
+        async def post(self, host: str, port: int, path: str, body: bytes, headers: dict[str, str]) -> HttpResponse:
+            nonlocal calls
+            calls += 1
+            return HttpResponse(200, {"content-type": "application/json"}, raw)
+
+        def close(self) -> None:
+            pass
+
+    app.http._fast = Client()  # the HTTP edge
+    words = " ".join(f"word{i}" for i in range(200))
+    body = {"model": "fast", "messages": [{"role": "user", "content": words}], "max_tokens": 16}
+    return app, "/v1/chat/completions", json.dumps(body).encode(), lambda: calls
+
+
+def child(load: str, requests: int, src: str | None) -> dict[str, Any]:
+    """Send WARMUP + `requests` requests of `load` through the app; what the last one answered."""
+    _use_tree(src)
+    import uvloop
+
+    from psrl.serving.http1 import Request
+
+    app, path, body, calls = _generate_app() if load == "generate" else _proxied_app()
+    headers = {"host": "127.0.0.1", "content-type": "application/json", "content-length": str(len(body))}
+
+    async def run() -> dict[str, Any]:
+        response = None
+        for _ in range(WARMUP + requests):
+            request = Request("POST", path, b"", dict(headers), True)
+            request.body = body
+            response = await app.app.handle(request)
+            if response.status_code != 200:
+                raise RuntimeError(f"{load}: {response.status_code} {response.body[:300]!r}")
+        assert response is not None
+        return {"status": response.status_code, "body": json.loads(response.body), "upstream_calls": calls()}
+
+    return uvloop.run(run())
+
+
+def count(load: str, requests: int, src: str | None, out_dir: Path) -> int:
+    """Instructions per request of `load`'s middle (see the module docstring)."""
+    totals = []
+    for n in (0, requests):
+        argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out_dir / f'{load}-{n}.out'}"]
+        argv += [sys.executable, __file__, "--child", load, str(n), *(["--src", src] if src else [])]
+        env = {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1"}
+        done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=env, check=False)
+        found = _COLLECTED.search(done.stderr)
+        if done.returncode != 0 or not found:
+            raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+        totals.append(int(found.group(1)))
+    return round((totals[1] - totals[0]) / requests)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--loads", nargs="+", choices=LOADS, default=list(LOADS))
+    p.add_argument("--requests", type=int, default=2000, help="requests counted, after the warm-up")
+    p.add_argument("--ab-src", metavar="DIR", help="also count the middle of the tree in DIR/psrl")
+    p.add_argument("--child", nargs=2, metavar=("LOAD", "N"), help="run the loop alone (what is counted)")
+    p.add_argument("--src", help=argparse.SUPPRESS)  # the child's tree
+    args = p.parse_args(argv)
+    if args.child:
+        load, n = args.child
+        if load not in LOADS:
+            p.error(f"--child: a load of {LOADS}, not {load!r}")
+        print(json.dumps(child(load, int(n), args.src)))
+        return
+    if args.requests < 1:
+        p.error("--requests: at least 1")
+    out_dir = REPO / "bench" / "out" / "router_middle"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trees = [("this tree", None), *([(args.ab_src, args.ab_src)] if args.ab_src else [])]
+    results: dict[str, dict[str, int]] = {}
+    for load in args.loads:
+        for name, src in trees:
+            results.setdefault(load, {})[name] = count(load, args.requests, src, out_dir)
+            print(f"{load:9} {name}: {results[load][name]:,} instructions a request", flush=True)
+        if args.ab_src:
+            a, b = results[load]["this tree"], results[load][args.ab_src]
+            print(f"{load:9} b/a: {b / a:.3f}", flush=True)
+    (out_dir / "results.json").write_text(json.dumps({"requests": args.requests, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
