@@ -7,11 +7,10 @@ Bodies are forwarded as received, so the router adds no JSON re-serialisation; p
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import httpx
 
@@ -27,6 +26,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _FORWARDED_HEADERS = ("content-type", "authorization")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -72,19 +72,18 @@ class HttpWorkers:
     def _headers(headers: Mapping[str, str]) -> dict[str, str]:
         return {k: headers[k] for k in _FORWARDED_HEADERS if k in headers}
 
-    def _within_timeout(self) -> contextlib.AbstractAsyncContextManager[object]:
-        """The request timeout, if there is one (with none, `asyncio.timeout(None)` would only cost CPU)."""
+    async def _within_timeout(self, pending: Awaitable[T]) -> T:
+        """`pending`, awaited within the request timeout if there is one (with none, no scope is entered: even a
+        null one costs CPU per request)."""
         if self._request_timeout_s is None:
-            return contextlib.nullcontext()
-        return asyncio.timeout(self._request_timeout_s)
+            return await pending
+        async with asyncio.timeout(self._request_timeout_s):
+            return await pending
 
     async def forward(self, worker: Worker, path: str, body: bytes, headers: Mapping[str, str]) -> HttpResponse:
         host, port = worker.host_port
         try:
-            if self._request_timeout_s is None:  # the default: no context to enter
-                return await self._fast.post(host, port, path, body, self._headers(headers))
-            async with asyncio.timeout(self._request_timeout_s):
-                return await self._fast.post(host, port, path, body, self._headers(headers))
+            return await self._within_timeout(self._fast.post(host, port, path, body, self._headers(headers)))
         except (ConnectionError, TimeoutError) as e:
             raise self._error(worker, e) from e
 
@@ -94,8 +93,8 @@ class HttpWorkers:
         """Open the upstream stream (errors before the first byte raise here) and return its byte iterator."""
         host, port = worker.host_port
         try:
-            async with self._within_timeout():
-                head, chunks = await self._fast.post_stream(host, port, path, body, self._headers(headers))
+            opened = self._fast.post_stream(host, port, path, body, self._headers(headers))
+            head, chunks = await self._within_timeout(opened)
         except (ConnectionError, TimeoutError) as e:
             raise self._error(worker, e) from e
 

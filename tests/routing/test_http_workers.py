@@ -75,8 +75,8 @@ def slow_worker() -> Iterator[tuple[str, type[_SlowWorker]]]:
         yield worker
 
 
-def _chat(url: str) -> httpx.Response:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+def _chat(url: str, stream: bool = False) -> httpx.Response:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": stream}
     return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
 
 
@@ -154,6 +154,10 @@ def test_an_upstream_past_the_request_timeout_is_a_504(slow_worker, log_dir) -> 
         assert r.status_code == 504, r.text
         assert r.json()["error"]["code"] == "worker_timeout"
         assert time.monotonic() - started < 2.5  # cut at the timeout, not when the upstream answered
+        started = time.monotonic()
+        r = _chat(router.url, stream=True)  # a stream whose upstream sent nothing yet fails as a whole
+        assert r.status_code == 504 and r.json()["error"]["code"] == "worker_timeout", r.text
+        assert time.monotonic() - started < 2.5
         handler.delay_s = 0.0
         assert _chat(router.url).status_code == 200  # the router goes on serving
     finally:
