@@ -23,24 +23,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+import router_overhead as ro
+from router_instructions import read_dump
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
 LOADS = ("generate", "proxied")
 WARMUP = 50
-_COLLECTED = re.compile(r"Collected : (\d+)")
-
-
-def _use_tree(src: str | None) -> None:
-    """Import psrl from `src` (another tree of ours) instead of the installed package."""
-    if src:
-        sys.meta_path[:] = [f for f in sys.meta_path if "ScikitBuild" not in type(f).__name__]  # editable finder
-        sys.path.insert(0, str(Path(src).resolve()))
 
 
 def _generate_app() -> tuple[Any, str, bytes, Callable[[], int]]:
@@ -132,9 +126,8 @@ def _proxied_app() -> tuple[Any, str, bytes, Callable[[], int]]:
     return app, "/v1/chat/completions", json.dumps(body).encode(), lambda: calls
 
 
-def child(load: str, requests: int, src: str | None) -> dict[str, Any]:
+def child(load: str, requests: int) -> dict[str, Any]:
     """Send WARMUP + `requests` requests of `load` through the app; what the last one answered."""
-    _use_tree(src)
     import uvloop
 
     from psrl.serving.http1 import Request
@@ -157,18 +150,19 @@ def child(load: str, requests: int, src: str | None) -> dict[str, Any]:
 
 
 def count(load: str, requests: int, src: str | None, out_dir: Path) -> int:
-    """Instructions per request of `load`'s middle (see the module docstring)."""
-    totals = []
+    """Instructions per request of `load`'s middle (see the module docstring). The child runs psrl from `src`
+    as router_overhead.py runs a router from --router-src."""
+    summaries = []
     for n in (0, requests):
-        argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out_dir / f'{load}-{n}.out'}"]
-        argv += [sys.executable, __file__, "--child", load, str(n), *(["--src", src] if src else [])]
-        env = {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1"}
+        dump = out_dir / f"{load}-{n}{'-b' if src else ''}.out"
+        argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={dump}"]
+        argv += [*ro.psrl_argv(argparse.Namespace(router_src=None), "router_middle", src), "--child", load, str(n)]
+        env = {**os.environ, "PYTHONPATH": str(BENCH), "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1"}
         done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=env, check=False)
-        found = _COLLECTED.search(done.stderr)
-        if done.returncode != 0 or not found:
+        if done.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
-        totals.append(int(found.group(1)))
-    return round((totals[1] - totals[0]) / requests)
+        summaries.append(read_dump(dump)[0])
+    return round((summaries[1] - summaries[0]) / requests)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -177,13 +171,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--requests", type=int, default=2000, help="requests counted, after the warm-up")
     p.add_argument("--ab-src", metavar="DIR", help="also count the middle of the tree in DIR/psrl")
     p.add_argument("--child", nargs=2, metavar=("LOAD", "N"), help="run the loop alone (what is counted)")
-    p.add_argument("--src", help=argparse.SUPPRESS)  # the child's tree
     args = p.parse_args(argv)
     if args.child:
         load, n = args.child
         if load not in LOADS:
             p.error(f"--child: a load of {LOADS}, not {load!r}")
-        print(json.dumps(child(load, int(n), args.src)))
+        print(json.dumps(child(load, int(n))))
         return
     if args.requests < 1:
         p.error("--requests: at least 1")
