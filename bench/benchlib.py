@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import math
 import os
 import platform
@@ -13,6 +14,7 @@ import resource
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -136,12 +138,34 @@ def install_signal_handlers(deadline_s: float) -> None:
     signal.alarm(max(1, int(deadline_s)))
 
 
+_INTERPRETER = (
+    "import json,platform,sys,sysconfig;"
+    "maps=open('/proc/self/maps').read() if sys.platform=='linux' else '';"
+    "print(json.dumps({'executable':sys.executable,'version':platform.python_version(),"
+    "'libpython_loaded':'libpython' in maps,'config_args':sysconfig.get_config_var('CONFIG_ARGS')}))"
+)
+
+
+def interpreter(python: str) -> dict[str, object]:
+    """How an interpreter was built, as far as it tells: its version, whether it runs on a shared libpython
+    (a position-independent build; static ones, as Debian's, run faster), and its configure arguments (PGO and
+    LTO show as --enable-optimizations and --with-lto where the build went through configure)."""
+    try:
+        done = subprocess.run([python, "-c", _INTERPRETER], capture_output=True, text=True, timeout=60)
+    except OSError as e:
+        raise RuntimeError(f"{python} could not be run: {e}") from e
+    if done.returncode != 0:
+        raise RuntimeError(f"{python} could not be run: {done.stderr[-500:]}")
+    return json.loads(done.stdout)
+
+
 def environment() -> dict[str, object]:
     """Where a benchmark ran: Python, CPUs, and the commit (with how many files under psrl/ differ from it)."""
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     dirty = subprocess.run(["git", "status", "--porcelain", "--", "psrl"], cwd=REPO, capture_output=True, text=True)
     return {
         "python": platform.python_version(),
+        "python_build": interpreter(sys.executable),
         "cpus": os.cpu_count(),
         "git_head": rev.stdout.strip(),
         "git_dirty_psrl_files": len(dirty.stdout.splitlines()),

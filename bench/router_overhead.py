@@ -753,12 +753,19 @@ def summarize_stacks(raw: str, top: int) -> dict[str, Any]:
 # ---- launchers ------------------------------------------------------------------------------------------------
 
 
-def psrl_argv(args: argparse.Namespace, module: str, src: str | None = None) -> list[str]:
-    """How to start one of our modules: the installed code, or the router from --router-src (or `src`)."""
+def psrl_argv(args: argparse.Namespace, module: str, src: str | None = None, python: str | None = None) -> list[str]:
+    """How to start one of our modules: the installed code, or the router from --router-src (or `src`); with
+    this interpreter, or `python` (one whose environment has our dependencies installed)."""
     src = src or (args.router_src if module == "psrl.router" else None)
+    exe = python or sys.executable
     if src:
-        return [sys.executable, "-c", _RUN_FROM_SRC, str(Path(src).resolve()), module]
-    return [sys.executable, "-m", module]
+        return [exe, "-c", _RUN_FROM_SRC, str(Path(src).resolve()), module]
+    return [exe, "-m", module]
+
+
+def b_leg(args: argparse.Namespace) -> bool:
+    """Whether a second build of our router runs beside the first (--ab-src, --ab-python)."""
+    return bool(args.ab_src or args.ab_python)
 
 
 def start_fast_backends(procs: Procs, count: int) -> list[tuple[int, str]]:
@@ -817,9 +824,10 @@ def launch_router(
 def router_targets(args: argparse.Namespace, section: str, urls: list[str]) -> list[tuple[str, list[str] | str, int]]:
     """(name, argv or the reason it cannot run, port) for every router of a section."""
     out: list[tuple[str, list[str] | str, int]] = []
-    for suffix, src in [("", None), *([("-b", args.ab_src)] if args.ab_src else [])]:
+    for suffix, src, python in [("", None, None), *([("-b", args.ab_src, args.ab_python)] if b_leg(args) else [])]:
         port = free_port()
-        ours = [*psrl_argv(args, "psrl.router", src), "--host", HOST, "--port", str(port), "--worker-urls", *urls]
+        ours = [*psrl_argv(args, "psrl.router", src, python), "--host", HOST, "--port", str(port)]
+        ours += ["--worker-urls", *urls]
         ours += ["--policy", "round_robin"] + (["--connection-mode", "http"] if section == "http" else [])
         out.append((f"psrl-router-{section}{suffix}", ours, port))
 
@@ -1199,7 +1207,7 @@ def paired_ratios(legs: list[LegResult], args: argparse.Namespace) -> list[str]:
 
 
 def ab_ratios(legs: list[LegResult]) -> list[str]:
-    """--ab-src: the b tree's CPU per request over the a tree's, per section, load and concurrency."""
+    """--ab-src, --ab-python: the b leg's CPU per request over the a leg's, per section, load and concurrency."""
     a = {(x.section, x.load, x.conns): x for x in legs if x.target == f"psrl-router-{x.section}"}
     lines = []
     for leg in legs:
@@ -1331,6 +1339,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also run psrl.router from this source tree (legs named psrl-router-<section>-b), and print b/a ratios",
     )
     p.add_argument(
+        "--ab-python",
+        default=None,
+        metavar="PYTHON",
+        help="run the b leg's router with this interpreter (a venv's bin/python with our dependencies installed): "
+        "with --ab-src that tree, else this one; compares interpreter builds",
+    )
+    p.add_argument(
         "--interleave",
         action="store_true",
         help="--repeat rounds, each starting every router in turn for one window per leg (for A/B comparisons)",
@@ -1382,8 +1397,10 @@ def main(argv: list[str] | None = None) -> None:
     with _tmp_dir() as tmp, Procs(args.out_dir / "logs" / args.stamp) as procs:
         gen = pick_loadgen(args.loadgen, tmp)
         env = {**environment(gen), "router_source": router_source(args.router_src)}
-        if args.ab_src:
+        if b_leg(args):
             env["router_source_b"] = router_source(args.ab_src)
+        if args.ab_python:
+            env["python_b"] = benchlib.interpreter(args.ab_python)
         try:
             if "http" in args.sections:
                 http_section(procs, gen, args, run)

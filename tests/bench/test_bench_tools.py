@@ -1,15 +1,19 @@
 """The bench's own tools, where a wrong answer would pass unnoticed: `router_instructions.py`'s reading of a
 callgrind dump (a miscount skews every instruction figure it prints), `floor_router.py`, the floor leg of
 `router_overhead.py --floor` in both sections (a floor that answered wrong would make our router look dear),
-and `router_middle.py`'s loop (one that failed its requests, or never reached the faked edge, would count the
-wrong work)."""
+`router_middle.py`'s loop (one that failed its requests, or never reached the faked edge, would count the
+wrong work), and `router_overhead.py`'s second build of our router (`--ab-python`: a leg that ran the first
+interpreter again would report a ratio of one)."""
 
 from __future__ import annotations
 
 import importlib
 import json
+import platform
+import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,12 +21,15 @@ import httpx
 import pytest
 from _procs import REPO, Proc, free_port, popen, read_ready_line, start_router
 
+from psrl import _kvx, _wire
 from psrl.gateway.processes import stop_processes
 
 sys.path.insert(0, str(REPO / "bench"))
 router_instructions = importlib.import_module("router_instructions")
 floor_router = importlib.import_module("floor_router")
 router_middle = importlib.import_module("router_middle")
+router_overhead = importlib.import_module("router_overhead")
+benchlib = importlib.import_module("benchlib")
 
 # A callgrind dump in the shape valgrind writes it: names compressed to "(id) name" on first use and "(id)"
 # after, positions absolute, relative (+/-) or the same (*), and a call's inclusive cost on the line after its
@@ -192,3 +199,51 @@ def test_the_middle_s_loop_runs_the_router_s_requests_to_its_faked_edge(load: st
         assert result["body"]["output_ids"] == [42] and result["body"]["meta_info"]["prompt_tokens"] == 200
     else:
         assert result["body"]["choices"][0]["message"]["content"] == "hi"
+
+
+@pytest.mark.parametrize("tree", ["installed", "source"])
+def test_the_b_leg_runs_our_router_on_the_interpreter_it_names(
+    tree: str, replica: Proc, log_dir: Path, tmp_path: Path
+) -> None:
+    """`router_overhead.py --ab-python` (alone, or with --ab-src): the b leg's router is started by that
+    interpreter, from the installed code or a source tree (made as bench/README.md says), and serves the
+    section's load."""
+    src = tmp_path / "tree"
+    if tree == "source":
+        shutil.copytree(REPO / "psrl", src / "psrl", ignore=shutil.ignore_patterns("__pycache__"))
+        for native in (_wire, _kvx):  # the built modules, which a `git archive` lacks
+            shutil.copy(str(native.__file__), src / "psrl")
+    flags = ["--ab-python", sys.executable, *(["--ab-src", str(src)] if tree == "source" else [])]
+    targets = router_overhead.router_targets(router_overhead.parse_args(flags), "grpc", [replica.url])
+    argv = {name: argv for name, argv, _ in targets}["psrl-router-grpc-b"]
+    assert isinstance(argv, list) and argv[0] == sys.executable
+    if tree == "installed":
+        assert argv[1:3] == ["-m", "psrl.router"]
+    else:
+        assert argv[1:4] == ["-c", router_overhead._RUN_FROM_SRC, str(src)]
+    log = log_dir / f"b-leg-{tree}.log"
+    with open(log, "wb") as stderr:
+        proc = popen(argv, stdout=subprocess.PIPE, stderr=stderr, cwd=REPO, start_new_session=True)
+    try:
+        url = read_ready_line(proc, log, "PSRL_ROUTER_READY", 60)
+        body = {"input_ids": list(range(11, 31)), "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+        for _ in range(100):  # until the replica given on its command line is registered
+            r = httpx.post(f"{url}/generate", json=body, timeout=60)
+            if r.status_code != 503:
+                break
+            time.sleep(0.2)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["output_ids"]) == 2
+    finally:
+        stop_processes([proc])
+
+
+def test_an_interpreter_s_build_is_read_from_the_interpreter_itself() -> None:
+    """What the bench records of each interpreter: this one's version, and whether it runs on a shared libpython
+    as this process's own memory map shows it."""
+    build = benchlib.interpreter(sys.executable)
+    assert build["version"] == platform.python_version()
+    with open("/proc/self/maps") as maps:
+        assert build["libpython_loaded"] == ("libpython" in maps.read())
+    with pytest.raises(RuntimeError, match="could not be run"):
+        benchlib.interpreter(str(REPO / "no-such-python"))
