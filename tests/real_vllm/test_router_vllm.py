@@ -1,7 +1,8 @@
 """The router in front of real vLLM: a stock replica (vLLM's launcher with the stock smg-grpc-servicer) and a
 vLLM replica of ours (`python -m psrl.worker --engine vllm`). Every endpoint through the official clients,
 n = 2, stop strings and a TITO session, each checked against what that vLLM itself samples for the same prompt
-ids (asked directly over gRPC; greedy or seeded, so reproducible)."""
+ids (asked directly over gRPC; greedy or seeded, so reproducible); and the router's health checks and load
+polls, read as grpc.aio reads them."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from _procs import Proc, start_router
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from psrl.gateway.processes import stop_processes
+from psrl.router.registry import WorkerRegistry
+from psrl.router.worker_client import WorkerClients
 from psrl.tokenizer import Tokenizer
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about a robot"}]
@@ -103,6 +106,27 @@ def a_stop_string(tok: Tokenizer, ids: list[int]) -> tuple[str, int]:
         if text.find(stop) == start and "\ufffd" not in stop and stop.strip() == stop and stop:
             return stop, start
     raise AssertionError(f"no usable stop string in {text!r}")
+
+
+# ---- the background calls ---------------------------------------------------------------------------------
+
+
+async def test_health_checks_and_load_polls_read_vllm_as_grpc_aio_does(replica: Proc) -> None:
+    """The router's health check and load poll go over its libcurl client: against vLLM's servicer they answer
+    what grpc.aio's stub answers."""
+    clients = WorkerClients()
+    try:
+        worker = WorkerRegistry().create_worker("v", replica.url, models=["m"], labels={})
+        assert await clients.is_healthy(worker, 60.0)
+        ours = await clients.loads(worker, 60.0)
+        async with grpc.aio.insecure_channel(worker.target) as channel:
+            theirs = await vllm_engine_pb2_grpc.VllmEngineStub(channel).GetLoads(
+                vllm_engine_pb2.GetLoadsRequest(), timeout=60
+            )
+        assert ours.loads and [x.dp_rank for x in ours.loads] == [x.dp_rank for x in theirs.loads]
+        assert not clients._channels  # no grpc.aio channel was opened for them
+    finally:
+        await clients.close()
 
 
 # ---- the endpoints ----------------------------------------------------------------------------------------
