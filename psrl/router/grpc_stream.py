@@ -15,8 +15,9 @@ ours: a caller with what it needs leaves the call to end on its own (no reset). 
 `grpc-timeout` and are enforced here too. A call that fails on a reused connection before any answer is sent
 again once, on a new connection, as a grpc.aio channel reconnects under its next call: curl reuses a connection
 that closed while idle without a GOAWAY (a replica killed, by the OOM killer say, and restarted on its port).
-The control plane (registration, health, loads, aborts, KV events, the tokenizer) stays on grpc.aio: it is not
-per request.
+The background loops' periodic calls (HealthCheck, GetLoads) use it too (`WorkerClients._unary`): through grpc.aio
+each woke its core's threads. The rest of the control plane (registration, aborts, KV events, the tokenizer)
+stays on grpc.aio: it is not per request.
 """
 
 from __future__ import annotations
