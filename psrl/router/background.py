@@ -81,8 +81,11 @@ class BackgroundLoops:
 
     async def check_health(self) -> None:
         workers = self._registry.workers()
-        results = await asyncio.gather(*(self._probe(w) for w in workers))
-        for worker, passed in zip(workers, results):
+        results = await asyncio.gather(*(self._probe(w) for w in workers), return_exceptions=True)
+        for worker, result in zip(workers, results):
+            if isinstance(result, BaseException):  # a probe's bug fails that worker's check, not the round
+                logger.warning("health check of worker %s failed: %r", worker.worker_id, result)
+            passed = result is True
             if worker.health.record(passed):
                 logger.warning(
                     "worker %s (%s) is now %s",

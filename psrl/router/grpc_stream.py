@@ -126,14 +126,22 @@ class StreamCall(Generic[M]):
         "_resent",
         "_timeout_s",
         "_waiter",
+        "method",
         "target",
     )
 
     def __init__(
-        self, owner: CurlGrpc, target: str, body: bytes, deserialize: Callable[[bytes], M], timeout_s: float | None
+        self,
+        owner: CurlGrpc,
+        target: str,
+        method: str,
+        body: bytes,
+        deserialize: Callable[[bytes], M],
+        timeout_s: float | None,
     ) -> None:
         self._owner = owner
         self.target = target
+        self.method = method
         self._body = body
         self._offset = 0  # how much of the body curl has taken
         self._timeout_s = timeout_s
@@ -377,7 +385,7 @@ class CurlGrpc:
         about 10% more."""
         multi = self._multi or self._open()
         body = len(request).to_bytes(_PREFIX, "big") + request
-        call: StreamCall[M] = StreamCall(self, target, body, deserialize, timeout_s)
+        call: StreamCall[M] = StreamCall(self, target, method, body, deserialize, timeout_s)
         curl = self._idle.pop() if self._idle else self._new_handle()
         headers = [*_REQUEST_HEADERS, *(f"{k}: {v}" for k, v in metadata)]
         if timeout_s is not None:
@@ -564,7 +572,9 @@ class CurlGrpc:
         call = self._calls.pop(curl, None)
         multi.remove_handle(curl)
         if call is not None and errno and call._resend(errno):
-            logger.info("Generate to %s: its connection had closed (%s); sent again on a new one", call.target, message)
+            logger.info(
+                "%s to %s: its connection had closed (%s); sent again on a new one", call.method, call.target, message
+            )
             self._calls[curl] = call
             multi.add_handle(curl)
             return
@@ -572,7 +582,9 @@ class CurlGrpc:
             if call is not None:
                 call._finished(errno, message)
         except Exception as e:  # whatever a peer sent, the call ends (a hang would hold its request forever)
-            logger.exception("Generate to %s: its answer could not be read", call.target if call else "?")
+            logger.exception(
+                "%s: its answer could not be read", f"{call.method} to {call.target}" if call else "a call"
+            )
             if call is not None and not call._done:
                 call._end(grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, details=f"unreadable answer: {e!r}"))
         finally:

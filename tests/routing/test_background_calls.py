@@ -4,7 +4,7 @@ healthy or a poll that is missed, never as a crash."""
 
 from __future__ import annotations
 
-import asyncio
+import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,8 +17,10 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from psrl.gateway.processes import stop_processes
+from psrl.router.background import BackgroundLoops
+from psrl.router.http_backend import HttpWorkers
 from psrl.router.registry import Worker, WorkerRegistry
-from psrl.router.worker_client import WorkerClients
+from psrl.router.worker_client import HEALTH_CHECK_METHOD, WorkerClients
 
 
 def _worker(target: str) -> Worker:
@@ -54,7 +56,7 @@ def _generic(method: str, handler: grpc.RpcMethodHandler) -> grpc.GenericRpcHand
 @pytest.fixture
 async def odd_replica() -> AsyncIterator[str]:
     """A server whose HealthCheck goes wrong in turn: the first call answers no message, the second two, the
-    third is refused as unauthenticated, the fourth stalls."""
+    third is refused as unauthenticated."""
     calls = 0
 
     async def health(request: pb.HealthCheckRequest, context: grpc.aio.ServicerContext) -> AsyncIterator:
@@ -65,8 +67,6 @@ async def odd_replica() -> AsyncIterator[str]:
             yield pb.HealthCheckResponse(healthy=True)
         elif calls == 3:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "no token")
-        elif calls == 4:
-            await asyncio.sleep(30)
 
     handler = grpc.unary_stream_rpc_method_handler(
         health,
@@ -88,16 +88,51 @@ async def test_a_replica_that_answers_wrong_is_not_healthy(
     request = pb.HealthCheckRequest()
     for why in ("no message", "more than one message"):
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            await clients._unary(
-                odd_replica, "/vllm.grpc.engine.VllmEngine/HealthCheck", request, pb.HealthCheckResponse.FromString, 5.0
-            )
+            await clients._unary(odd_replica, HEALTH_CHECK_METHOD, request, pb.HealthCheckResponse.FromString, 5.0)
         assert e.value.code() == grpc.StatusCode.INTERNAL and why in (e.value.details() or "")
     assert not await clients.is_healthy(worker, 5.0)  # refused: named once in the log
     assert "refused the router's call as unauthenticated" in caplog.text
-    start = time.monotonic()
-    assert not await clients.is_healthy(worker, 0.5)  # stalled past the timeout
-    assert time.monotonic() - start < 5
     assert not await clients.is_healthy(_worker(f"127.0.0.1:{free_port()}"), 5.0)  # nobody there
+
+
+async def test_a_replica_that_never_answers_is_not_healthy_within_the_timeout(clients: WorkerClients) -> None:
+    """A listening socket nobody reads (the kernel completes the connection; no HTTP/2 ever comes back): only
+    the client's own timeout ends the check."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        start = time.monotonic()
+        assert not await clients.is_healthy(_worker(f"127.0.0.1:{silent.getsockname()[1]}"), 0.5)
+        assert time.monotonic() - start < 5
+
+
+async def test_a_probe_that_fails_unexpectedly_fails_only_its_own_worker_s_check() -> None:
+    """A health round records every worker, even when one worker's probe raises something other than a failed
+    call (a bug): that worker counts as not healthy, the others as they answered."""
+    registry = WorkerRegistry()
+    bad = registry.create_worker("bad", "grpc://127.0.0.1:1", models=["m"], labels={})
+    good = registry.create_worker("good", "grpc://127.0.0.1:2", models=["m"], labels={})
+
+    class Clients:
+        async def is_healthy(self, worker: Worker, timeout_s: float) -> bool:
+            if worker is bad:
+                raise RuntimeError("a bug in the probe")
+            return False
+
+    loops = BackgroundLoops(
+        registry,
+        Clients(),  # type: ignore[arg-type]
+        HttpWorkers(1.0, None),
+        health_interval_s=1.0,
+        health_timeout_s=1.0,
+        load_poll_interval_s=0,
+        kv_index=None,
+        evict=lambda now: None,
+    )
+    assert bad.healthy and good.healthy
+    for _ in range(bad.health.config.failure_threshold):
+        await loops.check_health()
+    assert not bad.healthy and not good.healthy
 
 
 async def test_loads_a_router_polls_show_what_runs_on_its_replica(replica: Proc, log_dir: Path) -> None:
