@@ -147,9 +147,10 @@ _INTERPRETER = (
 
 
 def interpreter(python: str) -> dict[str, object]:
-    """How an interpreter was built, as far as it tells: its version, whether it runs on a shared libpython
-    (a position-independent build; static ones, as Debian's, run faster), and its configure arguments (PGO and
-    LTO show as --enable-optimizations and --with-lto where the build went through configure)."""
+    """How an interpreter was built, as far as it tells: its version, whether its executable runs on a shared
+    libpython (read from its own memory map: the field to trust), and the configure arguments sysconfig
+    reports. Those may not describe the executable: Debian's static python3.11 reports the `--enable-shared`
+    build made beside it, and neither `--enable-optimizations` nor `--with-lto`."""
     try:
         done = subprocess.run([python, "-c", _INTERPRETER], capture_output=True, text=True, timeout=60)
     except OSError as e:

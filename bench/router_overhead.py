@@ -1343,7 +1343,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         metavar="PYTHON",
         help="run the b leg's router with this interpreter (a venv's bin/python with our dependencies installed): "
-        "with --ab-src that tree, else this one; compares interpreter builds",
+        "with --ab-src that tree, else the a leg's code; compares interpreter builds",
     )
     p.add_argument(
         "--interleave",
@@ -1398,7 +1398,7 @@ def main(argv: list[str] | None = None) -> None:
         gen = pick_loadgen(args.loadgen, tmp)
         env = {**environment(gen), "router_source": router_source(args.router_src)}
         if b_leg(args):
-            env["router_source_b"] = router_source(args.ab_src)
+            env["router_source_b"] = router_source(args.ab_src or args.router_src)
         if args.ab_python:
             env["python_b"] = benchlib.interpreter(args.ab_python)
         try:

@@ -213,10 +213,17 @@ def test_the_b_leg_runs_our_router_on_the_interpreter_it_names(
         shutil.copytree(REPO / "psrl", src / "psrl", ignore=shutil.ignore_patterns("__pycache__"))
         for native in (_wire, _kvx):  # the built modules, which a `git archive` lacks
             shutil.copy(str(native.__file__), src / "psrl")
-    flags = ["--ab-python", sys.executable, *(["--ab-src", str(src)] if tree == "source" else [])]
+    # Another interpreter, as far as the bench can tell: a script that leaves a mark and runs this one.
+    marker = tmp_path / "ran"
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\ntouch {marker}\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    flags = ["--ab-python", str(python), *(["--ab-src", str(src)] if tree == "source" else [])]
     targets = router_overhead.router_targets(router_overhead.parse_args(flags), "grpc", [replica.url])
-    argv = {name: argv for name, argv, _ in targets}["psrl-router-grpc-b"]
-    assert isinstance(argv, list) and argv[0] == sys.executable
+    legs = {name: argv for name, argv, _ in targets}
+    assert legs["psrl-router-grpc"][0] == sys.executable  # the a leg keeps the bench's own
+    argv = legs["psrl-router-grpc-b"]
+    assert isinstance(argv, list) and argv[0] == str(python)
     if tree == "installed":
         assert argv[1:3] == ["-m", "psrl.router"]
     else:
@@ -234,6 +241,7 @@ def test_the_b_leg_runs_our_router_on_the_interpreter_it_names(
             time.sleep(0.2)
         assert r.status_code == 200, r.text
         assert len(r.json()["output_ids"]) == 2
+        assert marker.exists()
     finally:
         stop_processes([proc])
 
