@@ -2,12 +2,15 @@
 - a body goes to the worker as it came, checked by the worker alone, whose answer (an error too) comes back;
 - a prefix-aware policy matches on the prompt's text, whichever API the body speaks;
 - `--request-timeout-s`: an upstream that stalls past it is a 504 naming the worker, and the router goes on
-  serving; without it, a slow upstream is waited for."""
+  serving; without it, a slow upstream is waited for;
+- a worker's health check is GET /health on the router's own HTTP client: 200 in time is healthy, anything else
+  (another status, nobody there, no answer) is not."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -15,7 +18,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from _procs import start_router, stop_processes
+from _procs import free_port, start_router, stop_processes
+
+from psrl.router.http_backend import HttpWorkers
+from psrl.router.registry import WorkerRegistry
 
 MODEL = "slow-model"
 
@@ -26,6 +32,7 @@ class _SlowWorker(BaseHTTPRequestHandler):
 
     delay_s = 0.0
     refusal: tuple[int, dict] | None = None
+    health = 200  # what GET /health answers
     received: list[bytes] = []
     protocol_version = "HTTP/1.1"
 
@@ -43,8 +50,10 @@ class _SlowWorker(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/v1/models":
             self._json({"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": 2048}]})
+        elif self.path == "/health":
+            self._json({"status": "ok"}, type(self).health)
         else:
-            self._json({"status": "ok"})
+            self._json({"error": "not found"}, 404)
 
     def do_POST(self) -> None:
         type(self).received.append(self.rfile.read(int(self.headers.get("content-length", "0"))))
@@ -174,3 +183,34 @@ def test_without_a_request_timeout_a_slow_upstream_is_waited_for(slow_worker, lo
         assert r.json()["object"] == "chat.completion"
     finally:
         stop_processes([router.proc])
+
+
+async def test_a_health_check_is_a_get_of_health_on_the_lean_client(
+    slow_worker: tuple[str, type[_SlowWorker]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, handler = slow_worker
+    workers = HttpWorkers(connect_timeout_s=5.0, request_timeout_s=None)
+
+    async def not_httpx(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the health check went through httpx")
+
+    monkeypatch.setattr(workers._client, "get", not_httpx)
+    registry = WorkerRegistry()
+    worker = registry.create_worker("w", url, models=[MODEL], labels={}, connection_mode="http")
+    try:
+        assert await workers.is_healthy(worker, 5.0)
+        handler.health = 503
+        assert not await workers.is_healthy(worker, 5.0)
+        gone = registry.create_worker("gone", f"http://127.0.0.1:{free_port()}", models=[MODEL], labels={})
+        assert not await workers.is_healthy(gone, 5.0)
+        with socket.socket() as silent:  # listening, never read: only the check's timeout ends it
+            silent.bind(("127.0.0.1", 0))
+            silent.listen()
+            quiet = registry.create_worker(
+                "quiet", f"http://127.0.0.1:{silent.getsockname()[1]}", models=[MODEL], labels={}
+            )
+            start = time.monotonic()
+            assert not await workers.is_healthy(quiet, 0.5)
+            assert time.monotonic() - start < 5
+    finally:
+        await workers.close()
