@@ -1,7 +1,8 @@
 """The router in HTTP mode in front of a stock `vllm serve` (vLLM's OpenAI server, CPU build): what users run
 when their replicas speak only OpenAI HTTP. Plain and streamed answers pass through with the instance headers,
-vLLM's own verdict on a request it refuses comes back as it gave it, and `--request-timeout-s` cuts a generation
-that runs past it (a 504) while the router goes on serving."""
+vLLM's own verdict on a request it refuses comes back as it gave it, `--request-timeout-s` cuts a generation
+that runs past it (a 504) while the router goes on serving, and the router's health check (GET /health on its
+own HTTP client) reads vLLM's server as healthy and an address with nobody there as not."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ import pytest
 from _procs import Proc, free_port, popen, start_router, stop_processes
 from _vllm import REPO, STARTUP_TIMEOUT_S, engine_args_of, vllm_env
 from _wait import wait_for
+
+from psrl.router.http_backend import HttpWorkers
+from psrl.router.registry import WorkerRegistry
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +103,15 @@ def test_a_generation_past_the_request_timeout_is_a_504(vllm_serve: Proc, log_di
         assert httpx.post(f"{router.url}/v1/chat/completions", json=short, timeout=60).status_code == 200
     finally:
         stop_processes([router.proc])
+
+
+async def test_the_health_check_reads_vllm_serve(vllm_serve: Proc) -> None:
+    workers = HttpWorkers(connect_timeout_s=5.0, request_timeout_s=None)
+    registry = WorkerRegistry()
+    try:
+        served = registry.create_worker("v", vllm_serve.url, models=["m"], labels={}, connection_mode="http")
+        assert await workers.is_healthy(served, 30.0)
+        gone = registry.create_worker("g", f"http://127.0.0.1:{free_port()}", models=["m"], labels={})
+        assert not await workers.is_healthy(gone, 5.0)
+    finally:
+        await workers.close()
