@@ -51,6 +51,7 @@ class _Connection(asyncio.Protocol):
         self._pending: _Pending | None = None
         self._headers: dict[str, str] = {}
         self._got_bytes = False
+        self._until_close = False  # the response's body runs to the connection's end (no length, not chunked)
         self.closed = False
         self.reusable = True
 
@@ -69,7 +70,11 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._pool.forget(self)
-        if self._pending is not None:
+        p = self._pending
+        if p is not None and exc is None and self._until_close and p.head.done():
+            self.on_message_complete()  # a body without a length or chunks ends with the connection
+            return
+        if p is not None:
             if self._got_bytes:
                 self._fail(HttpResponseError(f"connection closed mid-response: {exc or 'EOF'}"))
             else:
@@ -87,6 +92,8 @@ class _Connection(asyncio.Protocol):
             p.head.set_result(HttpResponse(status, self._headers))
         if not self._parser.should_keep_alive():
             self.reusable = False
+        encoding = self._headers.get("transfer-encoding", "")
+        self._until_close = "content-length" not in self._headers and "chunked" not in encoding.lower()
 
     def on_body(self, body: bytes) -> None:
         p = self._pending
@@ -136,8 +143,12 @@ class _Connection(asyncio.Protocol):
         self._transport.writelines((head, body))
         return pending
 
-    def abort(self) -> None:
-        """Drop a connection whose response will not be read to the end."""
+    def abort(self, pending: _Pending | None = None) -> None:
+        """Drop a connection whose response will not be read to the end. Given the request's `pending`, only while
+        it is still the connection's: a response that ended already gave the connection back to the pool, where
+        another request may have taken it (a caller cancelled just after its response ended)."""
+        if pending is not None and self._pending is not pending:
+            return
         self._pending = None
         self.reusable = False
         if self._transport is not None:
@@ -214,7 +225,7 @@ class HttpClient:
                 if not reused or attempt:
                     raise
             except BaseException:
-                conn.abort()
+                conn.abort(pending)
                 raise
         raise AssertionError("unreachable")
 
@@ -233,7 +244,7 @@ class HttpClient:
         try:
             resp.body = await pending.done
         except BaseException:
-            conn.abort()
+            conn.abort(pending)
             raise
         return resp
 
@@ -257,6 +268,6 @@ class HttpClient:
                     yield item
             finally:
                 if not finished:
-                    conn.abort()  # the reader went away early: the rest of the response is unread
+                    conn.abort(pending)  # the reader went away early: the rest of the response is unread
 
         return resp, chunks()
