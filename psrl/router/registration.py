@@ -56,6 +56,11 @@ def parse_registration(body: dict[str, Any]) -> Registration:
     scheme_ok = parts.scheme == "grpc" if mode is ConnectionMode.GRPC else parts.scheme in ("http", "https")
     if not scheme_ok or not parts.hostname or not port:
         raise BadRequest(f"'url' must look like {form} for connection_mode {mode}, got {url!r}", param="url")
+    if mode is ConnectionMode.HTTP and (parts.scheme == "https" or parts.path not in ("", "/")):
+        # The proxy and the health checks reach a worker at host:port, in plain HTTP, at the API's own paths.
+        raise BadRequest(
+            f"an HTTP worker is reached at http://host:port, without TLS or a path prefix; got {url!r}", param="url"
+        )
     labels = body.get("labels") or {}
     if not isinstance(labels, dict):
         raise BadRequest("'labels' must be an object", param="labels")
