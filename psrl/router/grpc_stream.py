@@ -35,7 +35,7 @@ from urllib.parse import unquote
 
 import grpc
 import pycurl
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 logger = logging.getLogger(__name__)
 
@@ -160,14 +160,23 @@ class StreamCall(Generic[M]):
 
     async def read(self) -> M | None:
         """The next message, None after the last one of a call that ended OK; the call's error after the
-        messages that came before it."""
+        messages that came before it. A message that cannot be parsed ends the call as INTERNAL (the stream
+        is reset if it is still open), for this read and every later one."""
         while not self._messages:
             if self._done:
                 if self._error is not None:
                     raise self._error
                 return None
             await self._wait()
-        return self._deserialize(self._messages.popleft())
+        try:
+            return self._deserialize(self._messages.popleft())
+        except DecodeError as e:
+            error = self._rpc_error(grpc.StatusCode.INTERNAL, f"the replica sent a message that cannot be read: {e}")
+            if not self._done:
+                self._owner.remove(self)
+            self._messages.clear()
+            self._end(error)
+            raise error from e
 
     async def initial_metadata(self) -> grpc.aio.Metadata:
         """The response headers, once they are in: at the latest with the first message, or at the end."""

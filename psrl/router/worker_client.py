@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import Message
 from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from psrl._proto import routed_experts_pb2, routed_experts_pb2_grpc
@@ -116,8 +116,6 @@ class WorkerClients:
         try:
             reply = await call.read()
             extra = await call.read() if reply is not None else None  # the end: the call's status
-        except DecodeError as e:
-            raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, details=f"{method} on {target}: {e}") from e
         finally:
             call.cancel()
         if reply is None or extra is not None:

@@ -26,6 +26,7 @@ import pycurl
 import pytest
 import uvloop
 from _procs import Proc, free_port, replica_busy
+from google.protobuf.message import DecodeError
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
@@ -587,6 +588,22 @@ async def test_an_answer_that_cannot_be_read_ends_its_call(
         await asyncio.wait_for(_frames(call), 10)  # the frame that came is read, then the error
     assert e.value.code() == grpc.StatusCode.INTERNAL and "unreadable" in e.value.details()
     assert not client._calls and client._idle
+
+
+async def test_a_message_that_cannot_be_parsed_ends_its_call_as_internal(client: CurlGrpc, replica: Proc) -> None:
+    """A frame the deserializer refuses is the call's INTERNAL error, for that read and every later one (as any
+    other failure of the call), and the call leaves the client: the router maps it as it maps a replica's error."""
+
+    def refuse(data: bytes) -> pb.GenerateResponse:
+        raise DecodeError("not a GenerateResponse")
+
+    call = client.unary_stream(_target(replica), GENERATE_METHOD, _req("undecodable").SerializeToString(), refuse)
+    for _ in range(2):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await asyncio.wait_for(call.read(), 10)
+        assert e.value.code() == grpc.StatusCode.INTERNAL and "cannot be read" in (e.value.details() or "")
+    assert call.done()
+    await _until(lambda: not client._calls)
 
 
 class _Lingering(pb_grpc.VllmEngineServicer):
