@@ -4,7 +4,6 @@ healthy or a poll that is missed, never as a crash."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from _procs import Proc, free_port, start_router
+from _procs import Proc, free_port, silent_peer, start_router
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
@@ -98,11 +97,9 @@ async def test_a_replica_that_answers_wrong_is_not_healthy(
 async def test_a_replica_that_never_answers_is_not_healthy_within_the_timeout(clients: WorkerClients) -> None:
     """A listening socket nobody reads (the kernel completes the connection; no HTTP/2 ever comes back): only
     the client's own timeout ends the check."""
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen()
+    with silent_peer() as port:
         start = time.monotonic()
-        assert not await clients.is_healthy(_worker(f"127.0.0.1:{silent.getsockname()[1]}"), 0.5)
+        assert not await clients.is_healthy(_worker(f"127.0.0.1:{port}"), 0.5)
         assert time.monotonic() - start < 5
 
 

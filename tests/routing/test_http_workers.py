@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from _procs import free_port, start_router, stop_processes
+from _procs import free_port, silent_peer, start_router, stop_processes
 
 from psrl.router.http_backend import HttpWorkers
 from psrl.router.registry import WorkerRegistry
@@ -203,12 +202,8 @@ async def test_a_health_check_is_a_get_of_health_on_the_lean_client(
         assert not await workers.is_healthy(worker, 5.0)
         gone = registry.create_worker("gone", f"http://127.0.0.1:{free_port()}", models=[MODEL], labels={})
         assert not await workers.is_healthy(gone, 5.0)
-        with socket.socket() as silent:  # listening, never read: only the check's timeout ends it
-            silent.bind(("127.0.0.1", 0))
-            silent.listen()
-            quiet = registry.create_worker(
-                "quiet", f"http://127.0.0.1:{silent.getsockname()[1]}", models=[MODEL], labels={}
-            )
+        with silent_peer() as port:  # only the check's timeout ends it
+            quiet = registry.create_worker("quiet", f"http://127.0.0.1:{port}", models=[MODEL], labels={})
             start = time.monotonic()
             assert not await workers.is_healthy(quiet, 0.5)
             assert time.monotonic() - start < 5
