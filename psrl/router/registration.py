@@ -47,20 +47,15 @@ def parse_registration(body: dict[str, Any]) -> Registration:
         mode = ConnectionMode(raw_mode)
     except ValueError:
         raise BadRequest(f"connection_mode must be grpc or http, got {raw_mode!r}", param="connection_mode") from None
-    form = "grpc://host:port" if mode is ConnectionMode.GRPC else "http://host:port"
+    form = f"{mode.value}://host:port"
     try:
         parts = urlsplit(url)
         port = parts.port  # a port that is not a number, or past 65535, raises here
     except ValueError as e:
         raise BadRequest(f"'url' must look like {form}, got {url!r}: {e}", param="url") from None
-    scheme_ok = parts.scheme == "grpc" if mode is ConnectionMode.GRPC else parts.scheme in ("http", "https")
-    if not scheme_ok or not parts.hostname or not port:
-        raise BadRequest(f"'url' must look like {form} for connection_mode {mode}, got {url!r}", param="url")
-    if mode is ConnectionMode.HTTP and (parts.scheme == "https" or parts.path not in ("", "/")):
-        # The proxy and the health checks reach a worker at host:port, in plain HTTP, at the API's own paths.
-        raise BadRequest(
-            f"an HTTP worker is reached at http://host:port, without TLS or a path prefix; got {url!r}", param="url"
-        )
+    # Every call reaches a worker at host:port, at the API's own paths (an HTTP worker in plain HTTP, no TLS).
+    if parts.scheme != mode.value or not parts.hostname or not port or parts.path not in ("", "/"):
+        raise BadRequest(f"'url' must look like {form} (no path) for connection_mode {mode}, got {url!r}", param="url")
     labels = body.get("labels") or {}
     if not isinstance(labels, dict):
         raise BadRequest("'labels' must be an object", param="labels")

@@ -270,9 +270,10 @@ def test_worker_registration_errors(router) -> None:
     _error(r, 400, "grpc://host:port")
     r = httpx.post(f"{router.url}/workers", json={"url": "http://nope"}, timeout=10)
     _error(r, 400, "http://host:port")
-    for unreachable in ("https://127.0.0.1:8443", "http://127.0.0.1:8000/v1"):  # the proxy speaks plain HTTP, no prefix
+    # Calls reach a worker at host:port: an HTTP worker in plain HTTP, no worker under a path prefix.
+    for unreachable in ("https://127.0.0.1:8443", "http://127.0.0.1:8000/v1", "grpc://127.0.0.1:9000/x"):
         r = httpx.post(f"{router.url}/workers", json={"url": unreachable}, timeout=10)
-        _error(r, 400, "without TLS or a path prefix")
+        _error(r, 400, "(no path)", unreachable)
     r = httpx.post(f"{router.url}/workers", json={"url": "grpc://h:1", "connection_mode": "carrier-pigeon"})
     _error(r, 400, "connection_mode")
     r = httpx.post(f"{router.url}/workers", json={"url": "grpc://127.0.0.1:1"}, timeout=30)
