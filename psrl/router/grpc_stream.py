@@ -115,16 +115,17 @@ class StreamCall(Generic[M]):
         "_body",
         "_buf",
         "_curl",
+        "_deadline",
         "_deserialize",
         "_done",
         "_error",
+        "_headers",
         "_lines",
         "_messages",
         "_offset",
         "_owner",
         "_reaper",
         "_resent",
-        "_timeout_s",
         "_waiter",
         "method",
         "target",
@@ -137,14 +138,16 @@ class StreamCall(Generic[M]):
         method: str,
         body: bytes,
         deserialize: Callable[[bytes], M],
-        timeout_s: float | None,
+        deadline: float | None,
+        headers: list[str],
     ) -> None:
         self._owner = owner
         self.target = target
         self.method = method
         self._body = body
         self._offset = 0  # how much of the body curl has taken
-        self._timeout_s = timeout_s
+        self._deadline = deadline  # on the loop's clock
+        self._headers = headers  # as sent, `grpc-timeout` last when there is a deadline
         self._deserialize = deserialize
         self._buf = bytearray()
         self._messages: deque[bytes] = deque()
@@ -276,12 +279,24 @@ class StreamCall(Generic[M]):
         """Whether curl should send the call again, rewound: once, when it failed on a connection that curl
         reused and found dead (see the module docstring), with nothing back. Mostly the replica never read it (its
         socket was closed before). One that read it and died before answering is gone: the new connection finds
-        it so (UNAVAILABLE), or finds it restarted, and running the request there is what a retry would do."""
+        it so (UNAVAILABLE), or finds it restarted, and running the request there is what a retry would do. The
+        call's deadline stays: the new attempt gets what is left of it, in curl's timeout and in `grpc-timeout`,
+        and a call with none left is not sent again."""
         if self._resent or errno not in _DEAD_CONNECTION or self._lines or self._buf or self._messages:
             return False
-        assert self._curl is not None
-        if self._curl.getinfo(pycurl.NUM_CONNECTS):  # it went out on a connection of its own: not a reused one
+        curl = self._curl
+        assert curl is not None
+        if curl.getinfo(pycurl.NUM_CONNECTS):  # it went out on a connection of its own: not a reused one
             return False
+        if self._deadline is not None:
+            loop = self._owner._loop
+            assert loop is not None
+            ms = int((self._deadline - loop.time()) * 1000)
+            if ms < 1:
+                return False
+            self._headers[-1] = f"grpc-timeout: {ms}m"
+            curl.setopt(pycurl.HTTPHEADER, self._headers)
+            curl.setopt(pycurl.TIMEOUT_MS, ms)
         self._resent = True
         self._offset = 0
         return True
@@ -323,10 +338,11 @@ class StreamCall(Generic[M]):
 
     def _past_deadline(self) -> bool:
         """Whether curl's timeout was the call's deadline (and not its connect timeout)."""
-        if self._timeout_s is None:
+        if self._deadline is None:
             return False
-        assert self._curl is not None
-        return self._curl.getinfo(pycurl.TOTAL_TIME) >= self._timeout_s - 0.01
+        loop = self._owner._loop
+        assert loop is not None
+        return loop.time() >= self._deadline - 0.01
 
     def _parsed_headers(self) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
         """The headers and the trailers, parsed."""
@@ -394,15 +410,18 @@ class CurlGrpc:
         about 10% more."""
         multi = self._multi or self._open()
         body = len(request).to_bytes(_PREFIX, "big") + request
-        call: StreamCall[M] = StreamCall(self, target, method, body, deserialize, timeout_s)
         curl = self._idle.pop() if self._idle else self._new_handle()
         headers = [*_REQUEST_HEADERS, *(f"{k}: {v}" for k, v in metadata)]
+        deadline = None
         if timeout_s is not None:
             ms = max(1, int(timeout_s * 1000))
             headers.append(f"grpc-timeout: {ms}m")
             curl.setopt(pycurl.TIMEOUT_MS, ms)
+            assert self._loop is not None
+            deadline = self._loop.time() + ms / 1000
         else:
             curl.setopt(pycurl.TIMEOUT_MS, 0)
+        call: StreamCall[M] = StreamCall(self, target, method, body, deserialize, deadline, headers)
         curl.setopt(pycurl.URL, f"http://{target}{method}")
         curl.setopt(pycurl.HTTPHEADER, headers)
         curl.setopt(pycurl.POSTFIELDSIZE, len(call._body))

@@ -395,6 +395,7 @@ class _H2Replica(asyncio.Protocol):
 
     def __init__(self, mode: str) -> None:
         self.mode = mode
+        self.heard: list[dict[bytes, bytes]] = []  # each stream's request headers
         self.closed = asyncio.Event()
         self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
 
@@ -413,7 +414,16 @@ class _H2Replica(asyncio.Protocol):
         for event in self.conn.receive_data(data):
             if isinstance(event, h2.events.RequestReceived):
                 sid = event.stream_id
-                if self.mode == "refuse":
+                self.heard.append(dict(event.headers))
+                if self.mode == "answer-once" and len(self.heard) > 1:  # then it takes calls and never answers
+                    continue
+                if self.mode == "answer-once":
+                    answer = pb.GenerateResponse(complete=pb.GenerateComplete(output_ids=[5], finish_reason="length"))
+                    payload = answer.SerializeToString()
+                    self.conn.send_headers(sid, [(b":status", b"200"), (b"content-type", b"application/grpc")])
+                    self.conn.send_data(sid, b"\0" + len(payload).to_bytes(4, "big") + payload)
+                    self.conn.send_headers(sid, [(b"grpc-status", b"0")], end_stream=True)
+                elif self.mode == "refuse":
                     self.conn.reset_stream(sid, h2.errors.ErrorCodes.REFUSED_STREAM)
                 elif self.mode == "goaway":
                     self.conn.close_connection(last_stream_id=0)
@@ -493,6 +503,34 @@ async def test_a_call_sent_again_that_fails_again_is_unavailable(client: CurlGrp
             await asyncio.wait_for(_call(client, target, _req("after"), timeout_s=10).read(), 5)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
         assert len(peers) == 2  # sent again once, on one new connection
+    finally:
+        server.close()
+
+
+async def test_a_call_sent_again_keeps_its_deadline(client: CurlGrpc) -> None:
+    """A call that curl finds dead on its reused connection only after a while (TCP's own timeout on a peer
+    that vanished: a failure no local peer can be made to give, so curl's report of it is made here) goes out
+    again with what is left of its deadline, not a new one: its `grpc-timeout` is the rest, and when no answer
+    comes it ends at the deadline it was given at the start (DEADLINE_EXCEEDED)."""
+    timeout_s, waited_s = 3.0, 1.0
+    peer = _H2Replica("answer-once")
+    server = await asyncio.get_running_loop().create_server(lambda: peer, "127.0.0.1", 0)
+    try:
+        target = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        await asyncio.wait_for(_frames(_call(client, target, _req("first"), timeout_s=10)), 5)
+        call = _call(client, target, _req("second"), timeout_s=timeout_s)
+        while len(peer.heard) < 2:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(waited_s)
+        assert client._multi is not None and call._curl is not None
+        client._complete(client._multi, call._curl, pycurl.E_RECV_ERROR, "Recv failure: Connection timed out")
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await asyncio.wait_for(call.read(), 10)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, e.value.details()
+        assert call._resent and len(peer.heard) == 3  # sent again once
+        sent, again = (int(h[b"grpc-timeout"].rstrip(b"m")) for h in peer.heard[1:])
+        assert sent == timeout_s * 1000
+        assert again <= (timeout_s - waited_s) * 1000  # the rest of the deadline, not a new one
     finally:
         server.close()
 
