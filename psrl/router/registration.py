@@ -56,6 +56,19 @@ def parse_registration(body: dict[str, Any]) -> Registration:
     # Every call reaches a worker at host:port, at the API's own paths (an HTTP worker in plain HTTP, no TLS).
     if parts.scheme != mode.value or not parts.hostname or not port or parts.path not in ("", "/"):
         raise BadRequest(f"'url' must look like {form} (no path) for connection_mode {mode}, got {url!r}", param="url")
+    netloc = parts.netloc
+    if not netloc.isascii():
+        # Every client gets the host in its ASCII (IDNA) form, as a URL library would give it: the HTTP/1.1 client
+        # writes it into the Host header, which cannot carry anything else.
+        try:
+            host = parts.hostname.encode("idna").decode("ascii")
+        except UnicodeError as e:
+            raise BadRequest(f"'url' has a host name that IDNA cannot encode ({e}): {url!r}", param="url") from None
+        userinfo, at, _ = netloc.rpartition("@")
+        netloc = f"{userinfo}{at}{host}:{port}"
+        if not netloc.isascii():
+            raise BadRequest(f"'url' must be ASCII outside its host name, got {url!r}", param="url")
+        url = f"{parts.scheme}://{netloc}{parts.path}"
     labels = body.get("labels") or {}
     if not isinstance(labels, dict):
         raise BadRequest("'labels' must be an object", param="labels")
@@ -67,7 +80,7 @@ def parse_registration(body: dict[str, Any]) -> Registration:
         weight_version = int(labels.get("weight_version", 0))
     except ValueError as e:
         raise BadRequest("label weight_version must be an integer", param="labels") from e
-    return Registration(url, mode, parts.netloc, labels, P.get_str(body, "id", None), models, weight_version)
+    return Registration(url, mode, netloc, labels, P.get_str(body, "id", None), models, weight_version)
 
 
 class Registrar:

@@ -274,6 +274,8 @@ def test_worker_registration_errors(router) -> None:
     for unreachable in ("https://127.0.0.1:8443", "http://127.0.0.1:8000/v1", "grpc://127.0.0.1:9000/x"):
         r = httpx.post(f"{router.url}/workers", json={"url": unreachable}, timeout=10)
         _error(r, 400, "(no path)", unreachable)
+    r = httpx.post(f"{router.url}/workers", json={"url": "grpc://ü..example:9000"}, timeout=10)
+    _error(r, 400, "IDNA cannot encode")  # a host name with no ASCII form (an empty label)
     r = httpx.post(f"{router.url}/workers", json={"url": "grpc://h:1", "connection_mode": "carrier-pigeon"})
     _error(r, 400, "connection_mode")
     r = httpx.post(f"{router.url}/workers", json={"url": "grpc://127.0.0.1:1"}, timeout=30)
