@@ -30,7 +30,7 @@ from psrl.router.pipeline.stops import StopAcrossLoopBack
 from psrl.router.policies.base import SelectionRequest
 from psrl.router.registry import InstanceId, InstanceState, WorkerRegistry
 from psrl.router.routing_loop import RoutingLoop
-from psrl.router.selector import AdmissionHook, Selector, Ticket
+from psrl.router.selector import AdmissionHook, Resolved, Selector, Ticket
 from psrl.router.tokenizers import TokenizerStore
 from psrl.router.worker_client import WorkerClients
 
@@ -114,18 +114,24 @@ class Dispatcher:
         if self.loop is not None and meta.has_psrl:
             # the loop re-reads the instances at each attempt: the fleet changes while a request waits
             return await self.loop.acquire(meta, request, lambda: self.instances(model, grpc_only))
+        if not meta.has_psrl:  # the admission hook has no say: nothing to wait for
+            return self.selector.commit(self._chosen(self.selector.available(instances, meta), request), meta, request)
         try:
             resolved = await self.selector.resolve(instances, meta)
         except PSManagerError as e:
             raise WorkerUnavailable(f"the PSManager is unavailable: {e}") from e
+        instance = self._chosen(resolved, request)
+        try:
+            return await self.selector.place(instance, meta, request)
+        except Exception as e:  # released already; so is a cancelled one (the client left), which passes through
+            raise WorkerUnavailable(f"could not record the placement: {e}") from e
+
+    def _chosen(self, resolved: Resolved, request: SelectionRequest) -> InstanceState:
         selection = self.selector.select(resolved, request)
         self.metrics.selected(selection.step, selection.instance is not None)
         if selection.instance is None:
             raise WorkerUnavailable(selection.reason)
-        try:
-            return await self.selector.place(selection.instance, meta, request)
-        except Exception as e:  # released already; so is a cancelled one (the client left), which passes through
-            raise WorkerUnavailable(f"could not record the placement: {e}") from e
+        return selection.instance
 
     def finish(self, ticket: Ticket, error: RouterError | None) -> None:
         """Release the ticket exactly once, judging the instance by how the request ended."""
@@ -318,43 +324,61 @@ class Rollout:
         finally:
             await deltas.aclose()
 
-    async def _one_choice(self, watch: StopAcrossLoopBack | None = None) -> AsyncIterator[Delta]:
-        """The choice's iterations; `watch`: the stop-string watch of a call that is a loop-back already."""
+    async def _one_choice(
+        self, watch: StopAcrossLoopBack | None = None, *, whole: bool = False
+    ) -> AsyncIterator[Delta]:
+        """The choice's iterations; `watch`: the stop-string watch of a call that is a loop-back already. `whole`
+        (`collect`): only the closing Delta is wanted, so each call is read by `finish`, without its deltas."""
         call = self._call
         assert call is not None
-        state = self.states[0]
         while True:
             ticket = self.ticket
             assert ticket is not None
             try:
-                async for delta in call.deltas() if watch is None else self._watched(call, watch):
-                    yield delta
+                if whole and watch is None:
+                    await call.finish()
+                else:
+                    async for delta in call.deltas() if watch is None else self._watched(call, watch):
+                        if not whole:
+                            yield delta
             except REPLICA_FAILURES as e:
                 self._survive(e, [call.result])
             finally:
                 call.cancel()
                 self._d.finish(ticket, call.error)
-            segment = call.result
-            if segment.kv_moved_tokens is not None:  # admitted with kv_transfer_params (a refusal reports nothing)
-                self._d.metrics.kv_transfer(segment.kv_moved_tokens)
-            if self._settle(0, segment, ticket):
+            if self._choice_ended(call, ticket):
                 yield self._closing(0)
                 return
-            if call.error is not None:
-                self._kv_source = None  # the replica failed: its KV is gone, the next hop recomputes it
-            elif segment.output_ids or segment.kv_moved_tokens:
-                # It ran there (its KV, moved in or computed, is now pinned there): the next hop pulls from it.
-                self._kv_source = (ticket.instance.id, call.gen.request_id)
-            await self._interrupted_by(ticket, bool(segment.output_ids))
-            logger.info(
-                "request %s looped back from %s after %d tokens (iteration %d)",
-                state.original.request_id,
-                ticket.instance.id,
-                len(state.output_ids),
-                state.iterations,
-            )
-            watch = await self._stop_watch()
-            call = await self._loop_back(state.next_input())
+            watch, call = await self._next_iteration(call, ticket)
+
+    def _choice_ended(self, call: WorkerCall, ticket: Ticket) -> bool:
+        """After one iteration of the lone choice: True when it is finished, else False, with the KV source of
+        the next iteration noted."""
+        segment = call.result
+        if segment.kv_moved_tokens is not None:  # admitted with kv_transfer_params (a refusal reports nothing)
+            self._d.metrics.kv_transfer(segment.kv_moved_tokens)
+        if self._settle(0, segment, ticket):
+            return True
+        if call.error is not None:
+            self._kv_source = None  # the replica failed: its KV is gone, the next hop recomputes it
+        elif segment.output_ids or segment.kv_moved_tokens:
+            # It ran there (its KV, moved in or computed, is now pinned there): the next hop pulls from it.
+            self._kv_source = (ticket.instance.id, call.gen.request_id)
+        return False
+
+    async def _next_iteration(self, call: WorkerCall, ticket: Ticket) -> tuple[StopAcrossLoopBack | None, WorkerCall]:
+        """Loop the lone choice back after an iteration that did not finish it: its stop-string watch and call."""
+        state = self.states[0]
+        await self._interrupted_by(ticket, bool(call.result.output_ids))
+        logger.info(
+            "request %s looped back from %s after %d tokens (iteration %d)",
+            state.original.request_id,
+            ticket.instance.id,
+            len(state.output_ids),
+            state.iterations,
+        )
+        watch = await self._stop_watch()
+        return watch, await self._loop_back(state.next_input())
 
     async def _choices(self) -> AsyncIterator[Delta]:
         call = self._call
@@ -435,7 +459,9 @@ class Rollout:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def collect(self) -> list[Generation]:
-        async for _ in self.deltas():
+        """Run the request to its end without streaming it (after `start()`): each choice's merged generation."""
+        assert self._call is not None, "start() first"
+        async for _ in self._one_choice(whole=True) if len(self.states) == 1 else self._choices():
             pass
         return self.results
 

@@ -202,12 +202,18 @@ class Selector:
                 return Selection(grouped[0], "group")
         return None
 
+    def available(self, instances: Sequence[InstanceState], meta: RoutingMeta) -> Resolved:
+        """Step 1 alone: all a selection needs when the admission hook has no say (a request without PSRL
+        headers), so it waits for nothing."""
+        return Resolved(meta, step_available(instances, meta, time.monotonic()))
+
     async def resolve(self, instances: Sequence[InstanceState], meta: RoutingMeta) -> Resolved:
         """Step 1, then the admission hook's data when the admission step will run (a hint or group pin
         decides without it). The only part of a selection that waits."""
-        candidates = step_available(instances, meta, time.monotonic())
+        resolved = self.available(instances, meta)
+        candidates = resolved.candidates
         if not candidates or not self._psrl(meta):
-            return Resolved(meta, candidates)
+            return resolved
         pinned = self._pinned(candidates, meta)
         if pinned is not None:
             return Resolved(meta, candidates, pinned)

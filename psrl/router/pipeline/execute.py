@@ -166,62 +166,98 @@ class WorkerCall:
     async def deltas(self) -> AsyncGenerator[Delta, None]:
         frame = self._first if self._frames else await self._read()
         self._first = None
-        results, saw_chunk = self.results, self._saw_chunk
+        results = self.results
         while frame is not None:
-            which = frame.WhichOneof("response")
-            if which == "chunk":
-                c = frame.chunk
-                try:
-                    res = results[c.index]
-                except IndexError:
-                    raise self._no_such_choice(c.index) from None
-                saw_chunk[c.index] = True
-                res.prompt_tokens = c.prompt_tokens or res.prompt_tokens
-                res.cached_tokens = max(res.cached_tokens, c.cached_tokens)
-                lps, top = _logprobs_of(c.output_logprobs, self._want_top)
-                if c.token_ids:
-                    ids = list(c.token_ids)
-                    _extend(res, ids, lps, top)
-                    yield Delta(ids, lps, top, c.index)
-            elif which == "complete":
-                c = frame.complete  # each field read once: a protobuf attribute costs a lookup by name
-                index = c.index
-                try:
-                    res = results[index]
-                except IndexError:
-                    raise self._no_such_choice(index) from None
-                res.finish_reason = c.finish_reason or "stop"
-                res.prompt_tokens = c.prompt_tokens or res.prompt_tokens
-                res.cached_tokens = max(res.cached_tokens, c.cached_tokens)
-                matched = c.WhichOneof("matched_stop")
-                if matched == "matched_token_id":
-                    res.matched_stop_token_id = c.matched_token_id
-                elif matched == "matched_stop_str":
-                    res.matched_stop_str = c.matched_stop_str
-                moved = c.kv_transfer_params_json
-                if moved:
-                    res.kv_moved_tokens = _moved_tokens(moved)
-                if self.gen.routed_experts_start is not None:
-                    res.routed_experts = await self._take_routed_experts(index)
-                if not saw_chunk[index]:
-                    ids = list(c.output_ids)
-                    if ids:
-                        lps, top = _logprobs_of(c.output_logprobs, self._want_top)
-                        _extend(res, ids, lps, top)
-                        yield Delta(ids, lps, top, index)
-                self._open -= 1
+            delta, done = self._apply(frame)
+            if done >= 0 and self.gen.routed_experts_start is not None:
+                results[done].routed_experts = await self._take_routed_experts(done)
+            if delta is not None:
+                yield delta
+            if done >= 0:
                 if len(results) > 1:
-                    yield Delta([], None, None, index, res)
+                    yield Delta([], None, None, done, results[done])
                 if not self._open:
                     return  # whole: `cancel` releases the call
             frame = await self._read()
+        for delta in self._ended_early():
+            yield delta
+
+    async def finish(self) -> None:
+        """Read the call to its end without deltas, for a caller that needs only `results` (a non-streamed
+        answer): the same accumulation as `deltas`, without an async generator's cost."""
+        frame = self._first if self._frames else await self._read()
+        self._first = None
+        while frame is not None:
+            done = self._apply(frame)[1]
+            if done >= 0:
+                if self.gen.routed_experts_start is not None:
+                    self.results[done].routed_experts = await self._take_routed_experts(done)
+                if not self._open:
+                    return
+            frame = await self._read()
+        self._ended_early()
+
+    def _apply(self, frame: vllm_engine_pb2.GenerateResponse) -> tuple[Delta | None, int]:
+        """Add a frame to its choice's result: the Delta of its new tokens (None: none), and the index of the
+        choice it completed (-1: none)."""
+        which = frame.WhichOneof("response")
+        if which == "chunk":
+            c = frame.chunk
+            index = c.index
+            res = self._result_of(index)
+            self._saw_chunk[index] = True
+            res.prompt_tokens = c.prompt_tokens or res.prompt_tokens
+            res.cached_tokens = max(res.cached_tokens, c.cached_tokens)
+            if not c.token_ids:
+                return None, -1
+            ids = list(c.token_ids)
+            lps, top = _logprobs_of(c.output_logprobs, self._want_top)
+            _extend(res, ids, lps, top)
+            return Delta(ids, lps, top, index), -1
+        if which != "complete":
+            return None, -1
+        c = frame.complete  # each field read once: a protobuf attribute costs a lookup by name
+        index = c.index
+        res = self._result_of(index)
+        res.finish_reason = c.finish_reason or "stop"
+        res.prompt_tokens = c.prompt_tokens or res.prompt_tokens
+        res.cached_tokens = max(res.cached_tokens, c.cached_tokens)
+        matched = c.WhichOneof("matched_stop")
+        if matched == "matched_token_id":
+            res.matched_stop_token_id = c.matched_token_id
+        elif matched == "matched_stop_str":
+            res.matched_stop_str = c.matched_stop_str
+        moved = c.kv_transfer_params_json
+        if moved:
+            res.kv_moved_tokens = _moved_tokens(moved)
+        self._open -= 1
+        if self._saw_chunk[index]:
+            return None, index
+        ids = list(c.output_ids)
+        if not ids:
+            return None, index
+        lps, top = _logprobs_of(c.output_logprobs, self._want_top)
+        _extend(res, ids, lps, top)
+        return Delta(ids, lps, top, index), index
+
+    def _result_of(self, index: int) -> Generation:
+        try:
+            return self.results[index]
+        except IndexError:
+            raise self._no_such_choice(index) from None
+
+    def _ended_early(self) -> list[Delta]:
+        """The stream ended before every choice's complete frame. A replica that refuses a request (admission
+        closed) answers one empty abort frame, whatever n: the other choices end as aborted too (their closing
+        Deltas, for n > 1). Anything else is the call's failure, raised."""
+        results = self.results
         if len(results) > 1 and any(r.finish_reason == "abort" for r in results):
-            # A replica that refuses a request (admission closed) answers one empty abort frame, whatever n.
+            closing = []
             for i, r in enumerate(results):
                 if r.finish_reason is None:
                     r.finish_reason = "abort"
-                    yield Delta([], None, None, i, r)
-            return
+                    closing.append(Delta([], None, None, i, r))
+            return closing
         self.error = WorkerStreamFailed(
             f"worker {self.instance.id.base_worker_id} closed the stream without a complete frame for every choice"
         )
