@@ -328,7 +328,7 @@ class RouterApp:
     # ---- data plane: each route runs its endpoint kind's pipeline ----------------------------------------
 
     def _runs(self, route: str, pipeline: Pipeline[stages.Services]) -> Handler:
-        async def run(request: Request) -> AnyResponse:
-            return await pipeline.run(self.services, RequestContext(request, route))
+        def run(request: Request) -> Awaitable[AnyResponse]:  # the pipeline's run itself: no coroutine around it
+            return pipeline.run(self.services, RequestContext(request, route))
 
         return run

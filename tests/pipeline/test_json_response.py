@@ -4,7 +4,6 @@ never null."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from types import SimpleNamespace
 
@@ -63,7 +62,7 @@ def _generate_answer(return_logprob: bool) -> bytes:
     ticket = SimpleNamespace(instance=SimpleNamespace(id=InstanceId("w1", 0)), pinned_version=3)
     ctx.rollouts = [SimpleNamespace(ticket=ticket, states=[SimpleNamespace(weight_version=3, token_versions=[3, 3])])]  # type: ignore[list-item]
     ctx.results = [[gen]]
-    asyncio.run(respond_generate(None, ctx))  # type: ignore[arg-type]
+    respond_generate(None, ctx)  # type: ignore[arg-type]
     assert isinstance(ctx.response, Response) and ctx.response.headers == {
         "x-base-worker-id": "w1",
         "x-target-dp-rank": "0",

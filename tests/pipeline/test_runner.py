@@ -17,8 +17,12 @@ def _ctx() -> RequestContext:
     return RequestContext(http=None, route="/test")  # type: ignore[arg-type]  # these stages never read it
 
 
-def _recording(log: list[str], name: str, *, respond: bool = False, fail: BaseException | None = None) -> Stage:
-    async def run(services: object, ctx: RequestContext) -> None:
+def _recording(
+    log: list[str], name: str, *, respond: bool = False, fail: BaseException | None = None, waits: bool = True
+) -> Stage:
+    """A stage that logs its run and leaves an undo step; `waits`: a coroutine function, else a plain one."""
+
+    def run(services: object, ctx: RequestContext) -> None:
         log.append(name)
         ctx.on_failure[name] = lambda: _undo(log, name)
         if fail is not None:
@@ -26,24 +30,32 @@ def _recording(log: list[str], name: str, *, respond: bool = False, fail: BaseEx
         if respond:
             ctx.response = Response(name.encode())
 
-    return Stage(name, run)
+    async def run_waiting(services: object, ctx: RequestContext) -> None:
+        await asyncio.sleep(0)
+        run(services, ctx)
+
+    return Stage(name, run_waiting if waits else run)
 
 
 async def _undo(log: list[str], name: str) -> None:
     log.append(f"undo {name}")
 
 
-def test_stages_run_in_order_until_one_responds() -> None:
+@pytest.mark.parametrize("waits", [True, False], ids=["coroutine-stages", "plain-stages"])
+def test_stages_run_in_order_until_one_responds(waits: bool) -> None:
     log: list[str] = []
-    pipeline = Pipeline("t", [_recording(log, "a"), _recording(log, "b", respond=True), _recording(log, "c")])
+    a, c = _recording(log, "a", waits=waits), _recording(log, "c", waits=waits)
+    pipeline = Pipeline("t", [a, _recording(log, "b", respond=True, waits=not waits), c])
     response = asyncio.run(pipeline.run(object(), _ctx()))
     assert log == ["a", "b"]
     assert response.body == b"b"
 
 
-def test_a_failure_undoes_newest_first_and_names_its_stage() -> None:
+@pytest.mark.parametrize("waits", [True, False], ids=["coroutine-stages", "plain-stages"])
+def test_a_failure_undoes_newest_first_and_names_its_stage(waits: bool) -> None:
     log: list[str] = []
-    pipeline = Pipeline("t", [_recording(log, "a"), _recording(log, "b"), _recording(log, "c", fail=BadRequest("no"))])
+    failing = _recording(log, "c", fail=BadRequest("no"), waits=waits)
+    pipeline = Pipeline("t", [_recording(log, "a", waits=not waits), _recording(log, "b", waits=waits), failing])
     with pytest.raises(BadRequest) as e:
         asyncio.run(pipeline.run(object(), _ctx()))
     assert e.value.stage == "c"

@@ -1,7 +1,8 @@
 """The pipeline runner: one request context, an ordered list of named stages, run in order by one runner.
 
 Each endpoint kind (chat-shaped, completions, /generate) has its own stage list (`psrl.router.pipeline.stages`).
-A stage reads what earlier stages left in the `RequestContext` and adds its own part; the first stage that sets
+A stage reads what earlier stages left in the `RequestContext` and adds its own part, as a plain function or,
+when it waits, a coroutine function; the first stage that sets
 `ctx.response` ends the run (a request proxied to an HTTP worker ends at `route`). When a stage fails, the
 runner runs the undo steps earlier stages left (`ctx.on_failure`, newest first), names the stage in the
 error and raises it, so the endpoint wrapper answers it and its log line says where the request failed.
@@ -82,8 +83,11 @@ class RequestContext:
 
 @dataclass(frozen=True)
 class Stage(Generic[S]):
+    """A named step. `run` returns what to wait for when the step waits (a coroutine function's call), else None:
+    most steps do not, and a coroutine for each would cost every request its frame and its send."""
+
     name: str
-    run: Callable[[S, RequestContext], Awaitable[None]]
+    run: Callable[[S, RequestContext], Awaitable[None] | None]
 
 
 class Pipeline(Generic[S]):
@@ -100,7 +104,9 @@ class Pipeline(Generic[S]):
     async def run(self, services: S, ctx: RequestContext) -> AnyResponse:
         for stage in self.stages:
             try:
-                await stage.run(services, ctx)
+                waiting = stage.run(services, ctx)
+                if waiting is not None:
+                    await waiting
             except BaseException as e:
                 await self._undo(ctx)
                 if isinstance(e, RouterError):

@@ -17,7 +17,6 @@ a looped-back request is placed again at each iteration; a request proxied over 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ from psrl.router.pipeline.stream import (
     converted_events,
 )
 from psrl.router.pipeline.tool_calls import NoToolParser, ParsedOutput, ToolCallParser
-from psrl.router.pipeline.tool_choice import explaining_refusal, require_parser
+from psrl.router.pipeline.tool_choice import refusal_of, require_parser
 from psrl.router.policies.base import Policy, SelectionRequest
 from psrl.router.registry import WorkerRegistry
 from psrl.router.tito_bridge import TitoBridge
@@ -100,7 +99,7 @@ class ChatShape:
 RESPONSES_SHAPE = ChatShape(A.responses_to_chat, A.chat_to_response, ResponsesWriter)
 MESSAGES_SHAPE = ChatShape(A.messages_to_chat, lambda completion, _: A.chat_to_message(completion), MessagesWriter)
 
-StageFn = Callable[[Services, RequestContext], Awaitable[None]]
+StageFn = Callable[[Services, RequestContext], Awaitable[None] | None]  # see runner.Stage
 
 
 # ---- read ------------------------------------------------------------------------------------------------
@@ -118,7 +117,7 @@ def resolve_model(registry: WorkerRegistry, model: str | None) -> str:
     return model
 
 
-async def read(s: Services, ctx: RequestContext) -> None:
+def read(s: Services, ctx: RequestContext) -> None:
     ctx.raw = ctx.http.body
     ctx.body = P.parse_json_body(ctx.raw, s.config.max_payload_bytes)
     ctx.meta = parse_routing_meta(ctx.http.headers)
@@ -126,23 +125,28 @@ async def read(s: Services, ctx: RequestContext) -> None:
     ctx.model = resolve_model(s.registry, P.get_str(ctx.body, "model", None))
 
 
-async def read_chat(s: Services, ctx: RequestContext) -> None:
-    await read(s, ctx)
+def read_chat(s: Services, ctx: RequestContext) -> None:
+    read(s, ctx)
     ctx.request_id = new_request_id("chatcmpl")
     ctx.turn = TitoBridge.turn_of(ctx.http.headers) if s.config.tito.enable_tito else None
 
 
-async def read_completion(s: Services, ctx: RequestContext) -> None:
-    await read(s, ctx)
+def read_completion(s: Services, ctx: RequestContext) -> None:
+    read(s, ctx)
     ctx.request_id = new_request_id("cmpl")
 
 
 # ---- route -----------------------------------------------------------------------------------------------
 
 
-async def route(s: Services, ctx: RequestContext) -> None:
+def route(s: Services, ctx: RequestContext) -> Awaitable[None] | None:
+    """Nothing to do (None) for a model with gRPC workers; else the proxying, to wait for."""
     if s.needs_tokens(ctx.model):
-        return
+        return None
+    return _proxy(s, ctx)
+
+
+async def _proxy(s: Services, ctx: RequestContext) -> None:
     if ctx.turn is not None:
         raise BadRequest(f"TITO needs gRPC workers; model {ctx.model!r} is served only over HTTP")
     stream = P.get_bool(ctx.body, "stream", False)  # before the ticket: proxy() is what releases it
@@ -156,7 +160,7 @@ async def route(s: Services, ctx: RequestContext) -> None:
 
 
 def parse_chat(shape: ChatShape | None) -> StageFn:
-    async def parse(s: Services, ctx: RequestContext) -> None:
+    def parse(s: Services, ctx: RequestContext) -> None:
         chat_body = ctx.body
         if shape is not None:
             try:
@@ -171,11 +175,11 @@ def parse_chat(shape: ChatShape | None) -> StageFn:
     return parse
 
 
-async def parse_completion(s: Services, ctx: RequestContext) -> None:
+def parse_completion(s: Services, ctx: RequestContext) -> None:
     ctx.completion = P.parse_completion(ctx.body)
 
 
-async def parse_generate(s: Services, ctx: RequestContext) -> None:
+def parse_generate(s: Services, ctx: RequestContext) -> None:
     ctx.generate = P.parse_generate(ctx.body)
 
 
@@ -229,10 +233,9 @@ async def prepare_generate(s: Services, ctx: RequestContext) -> None:
 
 async def execute(s: Services, ctx: RequestContext) -> None:
     """Each prompt's rollout, concurrently; the first failure cancels the others. A stream (one prompt) is only
-    started: its deltas are read as the response is sent."""
-    forced = ctx.chat is not None and ctx.chat.tool_choice.forces_call  # only a forced call can be refused
-    refusal = explaining_refusal(ctx.chat.tool_choice) if forced and ctx.chat else contextlib.nullcontext()
-    with refusal:
+    started: its deltas are read as the response is sent. A replica's refusal of the constraint a forced tool
+    call needs is answered in the words of `refusal_of`."""
+    try:
         if ctx.stream:
             rollout = Rollout(s.dispatcher, ctx.model, ctx.meta, ctx.inputs[0])
             ctx.first_ticket = await rollout.start()
@@ -246,6 +249,11 @@ async def execute(s: Services, ctx: RequestContext) -> None:
         else:
             ctx.results = await _gather_or_raise([_run(r) for r in rollouts])
         ctx.rollouts = rollouts
+    except BadRequest as e:
+        explained = None if ctx.chat is None else refusal_of(ctx.chat.tool_choice, e)
+        if explained is None:
+            raise
+        raise explained from e
 
 
 async def _run(rollout: Rollout) -> list[Generation]:
@@ -316,7 +324,7 @@ def _answer(ctx: RequestContext, payload: Any, *, logprobs: bool) -> None:
 
 
 def respond_chat(shape: ChatShape | None) -> StageFn:
-    async def respond(s: Services, ctx: RequestContext) -> None:
+    def respond(s: Services, ctx: RequestContext) -> None:
         chat, tok = ctx.chat, ctx.tokenizer
         assert chat is not None and tok is not None
         parser = s.tool_parser_for(chat)
@@ -356,7 +364,7 @@ def respond_chat(shape: ChatShape | None) -> StageFn:
     return respond
 
 
-async def respond_completion(s: Services, ctx: RequestContext) -> None:
+def respond_completion(s: Services, ctx: RequestContext) -> None:
     req, tok = ctx.completion, ctx.tokenizer
     assert req is not None and tok is not None
     if ctx.stream:
@@ -383,7 +391,7 @@ async def respond_completion(s: Services, ctx: RequestContext) -> None:
     _answer(ctx, out, logprobs=req.sampling.logprobs is not None)
 
 
-async def respond_generate(s: Services, ctx: RequestContext) -> None:
+def respond_generate(s: Services, ctx: RequestContext) -> None:
     req, tok = ctx.generate, ctx.tokenizer
     assert req is not None
     text_of = tok is not None and req.detokenize

@@ -13,8 +13,6 @@ tool_choice (`refusal_of`).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -162,18 +160,6 @@ def refusal_of(choice: ToolChoice, error: BadRequest) -> BadRequest | None:
         "tool_choice 'auto'.",
         param="tool_choice",
     )
-
-
-@contextmanager
-def explaining_refusal(choice: ToolChoice) -> Iterator[None]:
-    """Re-raise a replica's refusal of `choice`'s constraint as the 400 `refusal_of` words."""
-    try:
-        yield
-    except BadRequest as e:
-        explained = refusal_of(choice, e)
-        if explained is None:
-            raise
-        raise explained from e
 
 
 def require_parser(choice: ToolChoice, parses_tool_calls: bool) -> None:
