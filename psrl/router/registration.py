@@ -53,9 +53,21 @@ def parse_registration(body: dict[str, Any]) -> Registration:
         port = parts.port  # a port that is not a number, or past 65535, raises here
     except ValueError as e:
         raise BadRequest(f"'url' must look like {form}, got {url!r}: {e}", param="url") from None
-    # Every call reaches a worker at host:port, at the API's own paths (an HTTP worker in plain HTTP, no TLS).
-    if parts.scheme != mode.value or not parts.hostname or not port or parts.path not in ("", "/"):
-        raise BadRequest(f"'url' must look like {form} (no path) for connection_mode {mode}, got {url!r}", param="url")
+    # Every call reaches a worker at host:port, at the API's own paths (an HTTP worker in plain HTTP, no TLS): a
+    # URL that says more (a path, a query, a fragment, credentials) would have it silently dropped, or sent on.
+    if (
+        parts.scheme != mode.value
+        or not parts.hostname
+        or not port
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+        or "@" in parts.netloc
+    ):
+        raise BadRequest(
+            f"'url' must look like {form} (no path, query or user) for connection_mode {mode}, got {url!r}",
+            param="url",
+        )
     netloc = parts.netloc
     if not netloc.isascii():
         # Every client gets the host in its ASCII (IDNA) form, as a URL library would give it: the HTTP/1.1 client
@@ -64,10 +76,7 @@ def parse_registration(body: dict[str, Any]) -> Registration:
             host = parts.hostname.encode("idna").decode("ascii")
         except UnicodeError as e:
             raise BadRequest(f"'url' has a host name that IDNA cannot encode ({e}): {url!r}", param="url") from None
-        userinfo, at, _ = netloc.rpartition("@")
-        netloc = f"{userinfo}{at}{host}:{port}"
-        if not netloc.isascii():
-            raise BadRequest(f"'url' must be ASCII outside its host name, got {url!r}", param="url")
+        netloc = f"{host}:{port}"
         url = f"{parts.scheme}://{netloc}{parts.path}"
     labels = body.get("labels") or {}
     if not isinstance(labels, dict):

@@ -271,9 +271,11 @@ def test_worker_registration_errors(router) -> None:
     r = httpx.post(f"{router.url}/workers", json={"url": "http://nope"}, timeout=10)
     _error(r, 400, "http://host:port")
     # Calls reach a worker at host:port: an HTTP worker in plain HTTP, no worker under a path prefix.
-    for unreachable in ("https://127.0.0.1:8443", "http://127.0.0.1:8000/v1", "grpc://127.0.0.1:9000/x"):
-        r = httpx.post(f"{router.url}/workers", json={"url": unreachable}, timeout=10)
-        _error(r, 400, "(no path)", unreachable)
+    unreachable = ("https://127.0.0.1:8443", "http://127.0.0.1:8000/v1", "grpc://127.0.0.1:9000/x")
+    said_more = ("http://127.0.0.1:8000?key=1", "grpc://127.0.0.1:9000#x", "grpc://user:secret@127.0.0.1:9000")
+    for url in unreachable + said_more:  # the last ones would have their extra part dropped, or sent on
+        r = httpx.post(f"{router.url}/workers", json={"url": url}, timeout=10)
+        _error(r, 400, "(no path, query or user)", url)
     r = httpx.post(f"{router.url}/workers", json={"url": "grpc://ü..example:9000"}, timeout=10)
     _error(r, 400, "IDNA cannot encode")  # a host name with no ASCII form (an empty label)
     r = httpx.post(f"{router.url}/workers", json={"url": "grpc://h:1", "connection_mode": "carrier-pigeon"})
