@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 import grpc
 import httpx
+import idna
 
 from psrl.router.background import BackgroundLoops
 from psrl.router.config import ConnectionMode
@@ -70,11 +71,12 @@ def parse_registration(body: dict[str, Any]) -> Registration:
         )
     netloc = parts.netloc
     if not netloc.isascii():
-        # Every client gets the host in its ASCII (IDNA) form, as a URL library would give it: the HTTP/1.1 client
-        # writes it into the Host header, which cannot carry anything else.
+        # Every client gets the host in its ASCII form, the one httpx and curl resolve (IDNA 2008 with UTS #46
+        # mapping; Python's own "idna" codec is IDNA 2003, which maps some names to other hosts: ß to "ss"). The
+        # HTTP/1.1 client writes it into the Host header, which carries ASCII only.
         try:
-            host = parts.hostname.encode("idna").decode("ascii")
-        except UnicodeError as e:
+            host = idna.encode(parts.hostname, uts46=True).decode("ascii")
+        except idna.IDNAError as e:
             raise BadRequest(f"'url' has a host name that IDNA cannot encode ({e}): {url!r}", param="url") from None
         netloc = f"{host}:{port}"
         url = f"{parts.scheme}://{netloc}{parts.path}"

@@ -3,6 +3,7 @@ tests/reliability/test_bad_input.py)."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from psrl.router.config import ConnectionMode
@@ -24,6 +25,8 @@ def test_an_ascii_url_is_kept_as_given() -> None:
     [
         ("http://Bücher.example:8000/", "http", "http://xn--bcher-kva.example:8000/", "xn--bcher-kva.example:8000"),
         ("grpc://例え.テスト:9000", "grpc", "grpc://xn--r8jz45g.xn--zckzah:9000", "xn--r8jz45g.xn--zckzah:9000"),
+        # IDNA 2008, as httpx and curl resolve it: IDNA 2003 (Python's codec) would make it strasse.example
+        ("http://Straße.example:8000", "http", "http://xn--strae-oqa.example:8000", "xn--strae-oqa.example:8000"),
     ],
 )
 def test_an_internationalized_host_reaches_every_client_in_its_ascii_form(
@@ -33,6 +36,7 @@ def test_an_internationalized_host_reaches_every_client_in_its_ascii_form(
     same name. The registry keys the worker by this form, so registering either spelling is one worker."""
     reg = parse_registration({"url": url, "connection_mode": mode})
     assert (reg.url, reg.netloc) == (ascii_url, netloc)
+    assert httpx.URL(url).raw_host.decode() == netloc.partition(":")[0]  # what registration's facts call resolves
     assert parse_registration({"url": ascii_url, "connection_mode": mode}).url == ascii_url
 
 
