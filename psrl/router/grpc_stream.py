@@ -108,6 +108,12 @@ def _bound_socket(fd: int, purpose: int) -> int:
     return pycurl.SOCKOPT_OK
 
 
+def _with_deadline(curl: pycurl.Curl, headers: list[str], ms: int) -> None:
+    """Give a transfer `ms` milliseconds: curl's own timeout, and `grpc-timeout` beside `headers` for the replica."""
+    curl.setopt(pycurl.TIMEOUT_MS, ms)
+    curl.setopt(pycurl.HTTPHEADER, [*headers, f"grpc-timeout: {ms}m"])
+
+
 class StreamCall(Generic[M]):
     """One unary-stream call (see the module docstring). Made by `CurlGrpc.unary_stream`."""
 
@@ -147,7 +153,7 @@ class StreamCall(Generic[M]):
         self._body = body
         self._offset = 0  # how much of the body curl has taken
         self._deadline = deadline  # on the loop's clock
-        self._headers = headers  # as sent, `grpc-timeout` last when there is a deadline
+        self._headers = headers  # as sent but for `grpc-timeout`, which a deadline adds (`_with_deadline`)
         self._deserialize = deserialize
         self._buf = bytearray()
         self._messages: deque[bytes] = deque()
@@ -294,9 +300,7 @@ class StreamCall(Generic[M]):
             ms = int((self._deadline - loop.time()) * 1000)
             if ms < 1:
                 return False
-            self._headers[-1] = f"grpc-timeout: {ms}m"
-            curl.setopt(pycurl.HTTPHEADER, self._headers)
-            curl.setopt(pycurl.TIMEOUT_MS, ms)
+            _with_deadline(curl, self._headers, ms)
         self._resent = True
         self._offset = 0
         return True
@@ -415,15 +419,14 @@ class CurlGrpc:
         deadline = None
         if timeout_s is not None:
             ms = max(1, int(timeout_s * 1000))
-            headers.append(f"grpc-timeout: {ms}m")
-            curl.setopt(pycurl.TIMEOUT_MS, ms)
+            _with_deadline(curl, headers, ms)
             assert self._loop is not None
             deadline = self._loop.time() + ms / 1000
         else:
             curl.setopt(pycurl.TIMEOUT_MS, 0)
+            curl.setopt(pycurl.HTTPHEADER, headers)
         call: StreamCall[M] = StreamCall(self, target, method, body, deserialize, deadline, headers)
         curl.setopt(pycurl.URL, f"http://{target}{method}")
-        curl.setopt(pycurl.HTTPHEADER, headers)
         curl.setopt(pycurl.POSTFIELDSIZE, len(call._body))
         curl.setopt(pycurl.READFUNCTION, call._read_body)
         curl.setopt(pycurl.SEEKFUNCTION, call._seek_body)

@@ -535,6 +535,28 @@ async def test_a_call_sent_again_keeps_its_deadline(client: CurlGrpc) -> None:
         server.close()
 
 
+async def test_a_call_found_dead_with_no_time_left_is_not_sent_again(client: CurlGrpc) -> None:
+    """The same failure past the call's deadline: nothing is left to give a new attempt, so the call fails as the
+    connection did (UNAVAILABLE) and the replica never hears it again."""
+    peer = _H2Replica("answer-once")
+    server = await asyncio.get_running_loop().create_server(lambda: peer, "127.0.0.1", 0)
+    try:
+        target = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        await asyncio.wait_for(_frames(_call(client, target, _req("first"), timeout_s=10)), 5)
+        call = _call(client, target, _req("second"), timeout_s=10)
+        while len(peer.heard) < 2:
+            await asyncio.sleep(0.01)
+        assert client._multi is not None and call._curl is not None and call._deadline is not None
+        call._deadline = asyncio.get_running_loop().time()  # spent (curl's own timer has not fired yet)
+        client._complete(client._multi, call._curl, pycurl.E_RECV_ERROR, "Recv failure: Connection timed out")
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await asyncio.wait_for(call.read(), 5)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+        assert not call._resent and len(peer.heard) == 2
+    finally:
+        server.close()
+
+
 async def test_a_connect_timeout_is_unavailable_not_the_deadline(
     client: CurlGrpc, monkeypatch: pytest.MonkeyPatch
 ) -> None:
