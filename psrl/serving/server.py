@@ -48,9 +48,7 @@ class AnnouncingServer(uvicorn.Server):
         if self.should_exit or not self.servers:  # the app's startup failed: nothing listens
             return
         if self.tune_gc:
-            gc.collect()
-            gc.freeze()
-            gc.set_threshold(self.YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+            tune_gc()
         port = self.servers[0].sockets[0].getsockname()[1]
         print(f"{self.marker} http://{self.config.host}:{port}", flush=True)
 
@@ -77,6 +75,15 @@ class AnnouncingServer(uvicorn.Server):
                         await exiting.wait()
         finally:
             self._wake = None
+
+
+def tune_gc() -> None:
+    """The GC as `AnnouncingServer(tune_gc=True)` sets it once it listens (see there): what is alive now frozen,
+    the young generation collected after `AnnouncingServer.YOUNG_THRESHOLD` net allocations. For code that runs a
+    server's handlers without the server, such as a bench in process."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(AnnouncingServer.YOUNG_THRESHOLD, *gc.get_threshold()[1:])
 
 
 def run_server(server: AnnouncingServer) -> None:
