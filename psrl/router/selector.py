@@ -224,7 +224,7 @@ class Selector:
         return Resolved(meta, candidates, None, admitted, indicators)
 
     def select(self, resolved: Resolved, request: SelectionRequest) -> Selection:
-        """Steps 2 to 5 over what `resolve` returned, in one go (call it right after `resolve`)."""
+        """Steps 2 to 5 over what `resolve` (or `available`) returned, in one go (call it right after)."""
         meta, candidates = resolved.meta, resolved.candidates
         if not candidates:
             floor = f" at version >= {meta.version_tag}" if meta.version_tag >= 0 else ""
@@ -260,7 +260,8 @@ class Selector:
 
     async def place(self, instance: InstanceState, meta: RoutingMeta, request: SelectionRequest) -> Ticket:
         """Commit the chosen instance and, for a PSRL request, record the placement with the admission hook.
-        Direct and routing-loop placement both place through here. If recording fails or is cancelled, the
+        PSRL placements, direct and from the routing loop, go through here (a request without PSRL headers has
+        nothing to record, and `Dispatcher.acquire` commits it directly). If recording fails or is cancelled, the
         ticket is released and the error raised."""
         ticket = self.commit(instance, meta, request)
         if meta.has_psrl:
