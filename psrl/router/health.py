@@ -1,4 +1,5 @@
-"""Health bookkeeping, pure: worker health with failure/success thresholds, and a per-instance circuit breaker."""
+"""Health bookkeeping, pure: worker health with failure/success thresholds, a per-instance circuit breaker, and
+the count of changes to what makes an instance available."""
 
 from __future__ import annotations
 
@@ -7,13 +8,38 @@ from dataclasses import dataclass
 
 from psrl.router.config import BreakerConfig, HealthConfig
 
+_availability_changes = 0
+
+
+def availability_changed() -> None:
+    """Something that decides whether an instance is available changed: a worker's health, an instance's pause or
+    synced version, a circuit breaker's state. Selection keeps the list of available instances until the count
+    moves (`Selector.available`), so each write of one of these must count."""
+    global _availability_changes
+    _availability_changes += 1
+
+
+def availability_changes() -> int:
+    """How many such changes this process has seen."""
+    return _availability_changes
+
 
 @dataclass
 class HealthTracker:
     config: HealthConfig
-    healthy: bool = True
+    _healthy: bool = True
     _failures: int = 0
     _successes: int = 0
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    @healthy.setter
+    def healthy(self, value: bool) -> None:
+        if value != self._healthy:
+            self._healthy = value
+            availability_changed()
 
     def record(self, passed: bool) -> bool:
         """Count one check; returns True when the healthy flag changed."""
@@ -47,15 +73,26 @@ class BreakerState(enum.Enum):
 @dataclass
 class CircuitBreaker:
     config: BreakerConfig
-    state: BreakerState = BreakerState.CLOSED
+    _state: BreakerState = BreakerState.CLOSED
     _failures: int = 0
     _successes: int = 0
     _opened_at: float = 0.0
     _trial_in_flight: bool = False
 
+    @property
+    def state(self) -> BreakerState:
+        return self._state
+
+    @state.setter
+    def state(self, value: BreakerState) -> None:
+        if value is not self._state:
+            self._state = value
+            availability_changed()
+
     def allows(self, now: float) -> bool:
-        """May a request be sent now? An open breaker turns half-open after its open duration."""
-        if self.state is BreakerState.CLOSED:  # the common case, asked per instance per selection
+        """May a request be sent now? An open breaker turns half-open after its open duration. (Only a breaker
+        that is not closed changes its answer without a write: selection does not keep an answer that had one.)"""
+        if self._state is BreakerState.CLOSED:  # the common case
             return True
         if self.state is BreakerState.OPEN and now - self._opened_at >= self.config.open_duration_s:
             self.state = BreakerState.HALF_OPEN
@@ -64,13 +101,13 @@ class CircuitBreaker:
         return self.state is BreakerState.HALF_OPEN and not self._trial_in_flight
 
     def on_dispatch(self) -> None:
-        if self.state is BreakerState.HALF_OPEN:
+        if self._state is BreakerState.HALF_OPEN:
             self._trial_in_flight = True
 
     def record(self, success: bool, now: float) -> None:
         if success:
             self._failures = 0
-            if self.state is BreakerState.HALF_OPEN:
+            if self._state is BreakerState.HALF_OPEN:
                 self._trial_in_flight = False
                 self._successes += 1
                 if self._successes >= self.config.success_threshold:

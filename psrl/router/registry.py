@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from psrl.router.config import BreakerConfig, ConnectionMode, HealthConfig
-from psrl.router.health import CircuitBreaker, HealthTracker
+from psrl.router.health import CircuitBreaker, HealthTracker, availability_changed
 
 
 class InstanceId(NamedTuple):
@@ -47,13 +47,35 @@ class InstanceState:
     breaker: CircuitBreaker
     inflight: int = 0  # requests the router has dispatched here and not yet seen end
     stats: SchedulerStats = field(default_factory=SchedulerStats)
-    paused: bool = False
-    synced_version: int | None = None  # from /workers/update_weight_version
+    _paused: bool = False
+    _synced_version: int | None = None  # from /workers/update_weight_version
+
+    # Both decide whether the instance is available, so each change counts (`availability_changed`).
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        if value != self._paused:
+            self._paused = value
+            availability_changed()
+
+    @property
+    def synced_version(self) -> int | None:
+        return self._synced_version
+
+    @synced_version.setter
+    def synced_version(self, value: int | None) -> None:
+        if value != self._synced_version:
+            self._synced_version = value
+            availability_changed()
 
     @property
     def weight_version(self) -> int:
         """The synced version, else the worker's label fallback (unknown -> 0), as SMG does."""
-        return self.synced_version if self.synced_version is not None else self.worker.label_weight_version
+        synced = self._synced_version
+        return synced if synced is not None else self.worker.label_weight_version
 
     @property
     def reported(self) -> SchedulerStats:

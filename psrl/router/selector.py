@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from psrl.router.config import CandidateSortIndicator, SelectionStrategy, SelectorConfig
+from psrl.router.health import BreakerState, availability_changes
 from psrl.router.metadata import RoutingMeta
 from psrl.router.policies.base import Policy, SelectionRequest
 from psrl.router.registry import InstanceId, InstanceState
@@ -64,6 +65,10 @@ class PassThroughAdmission:
         return False
 
 
+# Step 1 results kept at once (one per served model and version floor in use); past it they are all dropped.
+MAX_KEPT_SURVIVORS = 64
+
+
 # ---- the steps (pure) ------------------------------------------------------------------------------------
 
 
@@ -72,7 +77,7 @@ def step_available(instances: Sequence[InstanceState], meta: RoutingMeta, now: f
     return [i for i in instances if i.available(now) and (floor < 0 or i.weight_version >= floor)]
 
 
-def step_hint(candidates: list[InstanceState], meta: RoutingMeta) -> list[InstanceState] | None:
+def step_hint(candidates: Sequence[InstanceState], meta: RoutingMeta) -> list[InstanceState] | None:
     """The single hinted instance when the request is sticky/force-pinned and it survived; else None."""
     if not meta.pinned:
         return None
@@ -80,7 +85,7 @@ def step_hint(candidates: list[InstanceState], meta: RoutingMeta) -> list[Instan
     return hinted or None
 
 
-def step_group(candidates: list[InstanceState], meta: RoutingMeta, pins: GroupPins) -> list[InstanceState] | None:
+def step_group(candidates: Sequence[InstanceState], meta: RoutingMeta, pins: GroupPins) -> list[InstanceState] | None:
     if meta.prompt_id is None:
         return None
     pinned = pins.get(meta.prompt_id)
@@ -154,7 +159,7 @@ class Resolved:
     leave the choice open, those the admission hook admitted and their indicators."""
 
     meta: RoutingMeta
-    candidates: list[InstanceState]
+    candidates: Sequence[InstanceState]
     pinned: Selection | None = None  # steps 2 and 3 decided: the hinted or group-pinned candidate
     admitted: list[InstanceState] | None = None  # None: not fetched (steps 1 to 3 decide)
     indicators: list[float] | None = None
@@ -187,11 +192,13 @@ class Selector:
         self.policy = policy
         self.admission: AdmissionHook = admission or PassThroughAdmission()
         self.group_pins = GroupPins()
+        # step 1's results: (id of the instances, version floor) -> (the instances, the change count, survivors)
+        self._kept: dict[tuple[int, int], tuple[Sequence[InstanceState], int, tuple[InstanceState, ...]]] = {}
 
     def _psrl(self, meta: RoutingMeta) -> bool:
         return self.config.worker_selection_strategy == SelectionStrategy.PSRL and meta.has_psrl
 
-    def _pinned(self, candidates: list[InstanceState], meta: RoutingMeta) -> Selection | None:
+    def _pinned(self, candidates: Sequence[InstanceState], meta: RoutingMeta) -> Selection | None:
         """Steps 2 and 3: the hinted or group-pinned candidate, when one decides."""
         pinned = step_hint(candidates, meta)
         if pinned is not None:
@@ -205,7 +212,23 @@ class Selector:
     def available(self, instances: Sequence[InstanceState], meta: RoutingMeta) -> Resolved:
         """Step 1 alone: all a selection needs when the admission hook has no say (a request without PSRL
         headers), so it waits for nothing."""
-        return Resolved(meta, step_available(instances, meta, time.monotonic()))
+        return Resolved(meta, self._survivors(instances, meta))
+
+    def _survivors(self, instances: Sequence[InstanceState], meta: RoutingMeta) -> tuple[InstanceState, ...]:
+        """Step 1's result, kept per list of instances and version floor until something that decides it changes
+        (`availability_changes`): a request then costs no pass over the fleet. A result is not kept while a
+        breaker among the instances is not closed, since an open one turns half-open with time alone."""
+        key = (id(instances), meta.version_tag)
+        changes = availability_changes()
+        kept = self._kept.get(key)
+        if kept is not None and kept[0] is instances and kept[1] == changes:
+            return kept[2]
+        survivors = tuple(step_available(instances, meta, time.monotonic()))  # shared by the requests it serves
+        if all(i.breaker.state is BreakerState.CLOSED for i in instances):
+            if len(self._kept) >= MAX_KEPT_SURVIVORS:
+                self._kept.clear()
+            self._kept[key] = (instances, changes, survivors)
+        return survivors
 
     async def resolve(self, instances: Sequence[InstanceState], meta: RoutingMeta) -> Resolved:
         """Step 1, then the admission hook's data when the admission step will run (a hint or group pin

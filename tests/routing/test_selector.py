@@ -4,6 +4,7 @@ synchronously; and place() committing a choice and releasing it when recording f
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -54,6 +55,39 @@ def test_step_available_drops_unhealthy_paused_open_breaker_and_stale() -> None:
     insts[0].breaker.record(False, 0.0)
     assert step_available(insts, _meta(), 1.0) == []
     assert step_available(insts, _meta(), 31.0) == [insts[0]]  # half-open after the open duration
+
+
+def test_step_1_is_kept_until_something_that_decides_it_changes() -> None:
+    """A request costs no pass over the fleet: step 1's result is kept, and every write that could change it (a
+    pause, a synced version, health, a breaker) makes the next selection work it out again."""
+    reg, _ = _fleet()
+    reg.breaker_config.open_duration_s = 0.05
+    sel = Selector(SelectorConfig(), RoundRobinPolicy())
+    insts = reg.view("m").instances
+    plain, floor = RoutingMeta(), RoutingMeta(version_tag=2)
+
+    def survivors(meta: RoutingMeta = plain) -> Sequence[InstanceState]:
+        return sel.available(insts, meta).candidates
+
+    assert survivors() is survivors() and list(survivors()) == list(insts)
+    assert list(survivors(floor)) == list(insts[1:])  # each version floor has its own
+    insts[1].paused = True
+    assert list(survivors()) == [insts[0], insts[2]]
+    insts[1].paused = False
+    insts[0].synced_version = 5
+    assert list(survivors(floor)) == list(insts)
+    insts[2].worker.health.mark_down()
+    assert list(survivors()) == list(insts[:2])
+    for _ in range(reg.health_config.success_threshold):
+        insts[2].worker.health.record(True)
+    assert list(survivors()) == list(insts)
+    insts[0].breaker.record(False, time.monotonic())
+    insts[0].breaker.record(False, time.monotonic())
+    assert list(survivors()) == list(insts[1:])
+    time.sleep(0.06)  # nothing is written: an open breaker turns half-open with time alone
+    assert list(survivors()) == list(insts)
+    other = reg.view(None).instances  # another list of the same instances: its own result
+    assert other is not insts and list(sel.available(other, plain).candidates) == list(insts)
 
 
 def test_step_hint_pins_only_sticky_or_force_pin_and_only_survivors() -> None:
