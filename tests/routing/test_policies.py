@@ -94,6 +94,10 @@ def test_consistent_hash_is_stable_and_moves_only_the_lost_keys() -> None:
     after = {k: policy.select(cands[:2], SelectionRequest("r", routing_key=k)).id for k in keys}
     moved = [k for k in keys if before[k] != after[k]]
     assert moved and all(before[k] == cands[2].id for k in moved)
+    listed = list(cands)  # a list the caller changes between requests is read afresh each time
+    assert {k: policy.select(listed, SelectionRequest("r", routing_key=k)).id for k in keys} == before
+    del listed[2]
+    assert {k: policy.select(listed, SelectionRequest("r", routing_key=k)).id for k in keys} == after
     cands[0].inflight = 9
     assert policy.select(cands, SelectionRequest("r")) is not cands[0]  # no key: least loaded
 

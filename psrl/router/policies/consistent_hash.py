@@ -28,6 +28,10 @@ class ConsistentHashPolicy(Policy):
         self._ring_for: tuple[InstanceId, ...] = ()
         self._points: list[int] = []
         self._owners: list[InstanceId] = []
+        # The last candidates and their ids. Step 1 hands every request the same tuple until something that
+        # decides availability changes, so a keyed request then costs no pass over the fleet.
+        self._candidates: tuple[InstanceState, ...] = ()
+        self._by_id: dict[InstanceId, InstanceState] = {}
 
     def _ring(self, ids: tuple[InstanceId, ...]) -> None:
         if ids == self._ring_for:
@@ -40,7 +44,10 @@ class ConsistentHashPolicy(Policy):
     def select(self, candidates: Sequence[InstanceState], request: SelectionRequest) -> InstanceState:
         if not request.routing_key:
             return min(candidates, key=lambda c: c.load)
-        by_id = {c.id: c for c in candidates}
-        self._ring(tuple(sorted(by_id)))
+        if candidates is not self._candidates:
+            by_id = {c.id: c for c in candidates}
+            self._ring(tuple(sorted(by_id)))
+            # a tuple cannot change under us; anything else is worked out again next time
+            self._candidates, self._by_id = (candidates, by_id) if isinstance(candidates, tuple) else ((), by_id)
         at = bisect.bisect(self._points, _hash(request.routing_key)) % len(self._points)
-        return by_id[self._owners[at]]
+        return self._by_id[self._owners[at]]
