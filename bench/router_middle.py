@@ -1,10 +1,11 @@
 """Instructions per request of the router's middle alone, counted by valgrind's callgrind.
 
-The router's app is built in this process with two workers, and its edges are replaced by ones that answer
-at once: for `generate`, the gRPC client's call returns a complete Generate frame (two gRPC workers); for
-`proxied`, the HTTP client returns a fixed chat answer (two HTTP-only workers). Requests then go through the
-app's own routing (`App.handle`), so what runs is everything between our HTTP server and our clients: the
-endpoint wrapper, the pipeline, selection, metrics, the answer's shape. No sockets, no event-loop waits. The
+The router's app is built in this process with --workers workers (two by default) under --policy (round_robin),
+and its edges are replaced by ones that answer at once: for `generate`, the gRPC client's call returns a complete
+Generate frame (gRPC workers); for `proxied`, the HTTP client returns a fixed chat answer (HTTP-only workers).
+Requests then go through the app's own routing (`App.handle`), so what runs is everything between our HTTP server
+and our clients: the endpoint wrapper, the pipeline, selection, metrics, the answer's shape. No sockets, no
+event-loop waits. The
 cyclic GC is set as the router's server sets it once it listens (`psrl.serving.server.tune_gc`; a tree from before
 that helper runs on Python's default GC).
 
@@ -17,6 +18,7 @@ connection also depends on the caches it finds (docs/performance.md, "The edges 
 Run from the repo root with the venv active (valgrind must be installed):
     python bench/router_middle.py                        # both loads, this tree (~3 min)
     python bench/router_middle.py --ab-src /tmp/old      # also another tree (git archive + _proto + the .so)
+    python bench/router_middle.py --workers 64           # what a request costs in front of a larger fleet
     python bench/router_middle.py --child generate 100   # the loop alone, no valgrind (what the counts run)
 """
 
@@ -39,16 +41,16 @@ LOADS = ("generate", "proxied")
 WARMUP = 50
 
 
-def _generate_app() -> tuple[Any, str, bytes, Callable[[], int]]:
-    """The app with two gRPC workers whose Generate answers at once; the path, the body, and the calls made."""
+def _generate_app(workers: int, policy: str) -> tuple[Any, str, bytes, Callable[[], int]]:
+    """The app with gRPC workers whose Generate answers at once; the path, the body, and the calls made."""
     from smg_grpc_proto.generated import vllm_engine_pb2
 
     from psrl.router.app import RouterApp
     from psrl.router.config import parse_args
     from psrl.worker.model_folder import build_tiny_model_folder
 
-    app = RouterApp(parse_args(["--tokenizer-path", str(build_tiny_model_folder()), "--policy", "round_robin"]))
-    for i in range(2):
+    app = RouterApp(parse_args(["--tokenizer-path", str(build_tiny_model_folder()), "--policy", policy]))
+    for i in range(workers):
         app.registry.create_worker(
             str(i), f"grpc://127.0.0.1:{9000 + i}", models=["tiny"], labels={}, max_context_length=8192
         )
@@ -93,14 +95,14 @@ def _generate_app() -> tuple[Any, str, bytes, Callable[[], int]]:
     return app, "/generate", json.dumps(body).encode(), lambda: calls
 
 
-def _proxied_app() -> tuple[Any, str, bytes, Callable[[], int]]:
-    """The app with two HTTP-only workers whose answer comes at once; the path, the body, and the calls made."""
+def _proxied_app(workers: int, policy: str) -> tuple[Any, str, bytes, Callable[[], int]]:
+    """The app with HTTP-only workers whose answer comes at once; the path, the body, and the calls made."""
     from psrl.router.app import RouterApp
     from psrl.router.config import parse_args
     from psrl.router.http_client import HttpResponse
 
-    app = RouterApp(parse_args(["--policy", "round_robin", "--connection-mode", "http"]))
-    for i in range(2):
+    app = RouterApp(parse_args(["--policy", policy, "--connection-mode", "http"]))
+    for i in range(workers):
         app.registry.create_worker(
             str(i),
             f"http://127.0.0.1:{9000 + i}",
@@ -128,14 +130,14 @@ def _proxied_app() -> tuple[Any, str, bytes, Callable[[], int]]:
     return app, "/v1/chat/completions", json.dumps(body).encode(), lambda: calls
 
 
-def child(load: str, requests: int) -> dict[str, Any]:
+def child(load: str, requests: int, workers: int = 2, policy: str = "round_robin") -> dict[str, Any]:
     """Send WARMUP + `requests` requests of `load` through the app; what the last one answered."""
     import uvloop
 
     from psrl.serving import server
     from psrl.serving.http1 import Request
 
-    app, path, body, calls = _generate_app() if load == "generate" else _proxied_app()
+    app, path, body, calls = (_generate_app if load == "generate" else _proxied_app)(workers, policy)
     # The GC as the router's server sets it once it listens. A tree given to --ab-src from before 7 December 2026
     # has no `tune_gc` and runs on Python's default GC, as it was counted then (the counts differ by under 1%).
     tune_gc = getattr(server, "tune_gc", None)
@@ -157,7 +159,7 @@ def child(load: str, requests: int) -> dict[str, Any]:
     return uvloop.run(run())
 
 
-def count(load: str, requests: int, src: str | None, out_dir: Path) -> int:
+def count(load: str, requests: int, src: str | None, out_dir: Path, workers: int, policy: str) -> int:
     """Instructions per request of `load`'s middle (see the module docstring). The child runs psrl from `src`
     as router_overhead.py runs a router from --router-src."""
     summaries = []
@@ -165,6 +167,7 @@ def count(load: str, requests: int, src: str | None, out_dir: Path) -> int:
         dump = out_dir / f"{load}-{n}{'-b' if src else ''}.out"
         argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={dump}"]
         argv += [*ro.psrl_argv(argparse.Namespace(router_src=None), "router_middle", src), "--child", load, str(n)]
+        argv += ["--workers", str(workers), "--policy", policy]
         env = {**os.environ, "PYTHONPATH": str(BENCH), "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1"}
         done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=env, check=False)
         if done.returncode != 0:
@@ -178,28 +181,34 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--loads", nargs="+", choices=LOADS, default=list(LOADS))
     p.add_argument("--requests", type=int, default=2000, help="requests counted, after the warm-up")
     p.add_argument("--ab-src", metavar="DIR", help="also count the middle of the tree in DIR/psrl")
+    p.add_argument("--workers", type=int, default=2, help="workers registered (one instance each)")
+    p.add_argument("--policy", default="round_robin", help="the router's --policy")
     p.add_argument("--child", nargs=2, metavar=("LOAD", "N"), help="run the loop alone (what is counted)")
     args = p.parse_args(argv)
     if args.child:
         load, n = args.child
         if load not in LOADS:
             p.error(f"--child: a load of {LOADS}, not {load!r}")
-        print(json.dumps(child(load, int(n))))
+        print(json.dumps(child(load, int(n), args.workers, args.policy)))
         return
     if args.requests < 1:
         p.error("--requests: at least 1")
+    if args.workers < 1:
+        p.error("--workers: at least 1")
     out_dir = REPO / "bench" / "out" / "router_middle"
     out_dir.mkdir(parents=True, exist_ok=True)
     trees = [("this tree", None), *([(args.ab_src, args.ab_src)] if args.ab_src else [])]
+    print(f"{args.workers} workers, {args.policy}", flush=True)
     results: dict[str, dict[str, int]] = {}
     for load in args.loads:
         for name, src in trees:
-            results.setdefault(load, {})[name] = count(load, args.requests, src, out_dir)
+            results.setdefault(load, {})[name] = count(load, args.requests, src, out_dir, args.workers, args.policy)
             print(f"{load:9} {name}: {results[load][name]:,} instructions a request", flush=True)
         if args.ab_src:
             a, b = results[load]["this tree"], results[load][args.ab_src]
             print(f"{load:9} b/a: {b / a:.3f}", flush=True)
-    (out_dir / "results.json").write_text(json.dumps({"requests": args.requests, "results": results}, indent=2))
+    summary = {"requests": args.requests, "workers": args.workers, "policy": args.policy, "results": results}
+    (out_dir / "results.json").write_text(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":
