@@ -28,7 +28,7 @@ import argparse
 import json
 import os
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +41,8 @@ LOADS = ("generate", "proxied")
 WARMUP = 50
 
 
-def _generate_app(workers: int, policy: str) -> tuple[Any, str, bytes, Callable[[], int]]:
-    """The app with gRPC workers whose Generate answers at once; the path, the body, and the calls made."""
+def _generate_app(workers: int, policy: str) -> tuple[Any, str, bytes, list[str]]:
+    """The app with gRPC workers whose Generate answers at once; the path, the body, and each call's target."""
     from smg_grpc_proto.generated import vllm_engine_pb2
 
     from psrl.router.app import RouterApp
@@ -59,7 +59,7 @@ def _generate_app(workers: int, policy: str) -> tuple[Any, str, bytes, Callable[
     frame.complete.finish_reason = "length"
     frame.complete.prompt_tokens = 200
     wire = frame.SerializeToString()
-    calls = 0
+    reached: list[str] = []
 
     class Call:  # a finished unary-stream call: its one frame, then the end
         def __init__(self) -> None:
@@ -82,8 +82,7 @@ def _generate_app(workers: int, policy: str) -> tuple[Any, str, bytes, Callable[
 
     class Streams:  # the router's libcurl client, as `WorkerClients` uses it
         def unary_stream(self, target: str, method: str, request: bytes, *args: Any, **kwargs: Any) -> Call:
-            nonlocal calls
-            calls += 1
+            reached.append(target)
             return Call()
 
         def close(self) -> None:
@@ -92,11 +91,11 @@ def _generate_app(workers: int, policy: str) -> tuple[Any, str, bytes, Callable[
     app.clients._streams = Streams()  # the gRPC edge
     ids = [3 + (i * 37) % 600 for i in range(200)]
     body = {"model": "tiny", "input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
-    return app, "/generate", json.dumps(body).encode(), lambda: calls
+    return app, "/generate", json.dumps(body).encode(), reached
 
 
-def _proxied_app(workers: int, policy: str) -> tuple[Any, str, bytes, Callable[[], int]]:
-    """The app with HTTP-only workers whose answer comes at once; the path, the body, and the calls made."""
+def _proxied_app(workers: int, policy: str) -> tuple[Any, str, bytes, list[str]]:
+    """The app with HTTP-only workers whose answer comes at once; the path, the body, and each call's target."""
     from psrl.router.app import RouterApp
     from psrl.router.config import parse_args
     from psrl.router.http_client import HttpResponse
@@ -113,12 +112,11 @@ def _proxied_app(workers: int, policy: str) -> tuple[Any, str, bytes, Callable[[
         )
     answer = {"object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}]}
     raw = json.dumps(answer).encode()
-    calls = 0
+    reached: list[str] = []
 
     class Client:  # the router's HTTP client, as `HttpWorkers` uses it for a non-streamed request
         async def post(self, host: str, port: int, path: str, body: bytes, headers: dict[str, str]) -> HttpResponse:
-            nonlocal calls
-            calls += 1
+            reached.append(f"{host}:{port}")
             return HttpResponse(200, {"content-type": "application/json"}, raw)
 
         def close(self) -> None:
@@ -127,7 +125,7 @@ def _proxied_app(workers: int, policy: str) -> tuple[Any, str, bytes, Callable[[
     app.http._fast = Client()  # the HTTP edge
     words = " ".join(f"word{i}" for i in range(200))
     body = {"model": "fast", "messages": [{"role": "user", "content": words}], "max_tokens": 16}
-    return app, "/v1/chat/completions", json.dumps(body).encode(), lambda: calls
+    return app, "/v1/chat/completions", json.dumps(body).encode(), reached
 
 
 def child(load: str, requests: int, workers: int = 2, policy: str = "round_robin") -> dict[str, Any]:
@@ -137,7 +135,7 @@ def child(load: str, requests: int, workers: int = 2, policy: str = "round_robin
     from psrl.serving import server
     from psrl.serving.http1 import Request
 
-    app, path, body, calls = (_generate_app if load == "generate" else _proxied_app)(workers, policy)
+    app, path, body, reached = (_generate_app if load == "generate" else _proxied_app)(workers, policy)
     # The GC as the router's server sets it once it listens. A tree given to --ab-src from before 7 December 2026
     # has no `tune_gc` and runs on Python's default GC, as it was counted then (the counts differ by under 1%).
     tune_gc = getattr(server, "tune_gc", None)
@@ -154,7 +152,12 @@ def child(load: str, requests: int, workers: int = 2, policy: str = "round_robin
             if response.status_code != 200:
                 raise RuntimeError(f"{load}: {response.status_code} {response.body[:300]!r}")
         assert response is not None
-        return {"status": response.status_code, "body": json.loads(response.body), "upstream_calls": calls()}
+        return {
+            "status": response.status_code,
+            "body": json.loads(response.body),
+            "upstream_calls": len(reached),
+            "workers_reached": len(set(reached)),
+        }
 
     return uvloop.run(run())
 

@@ -182,11 +182,12 @@ def test_the_floor_refuses_worker_urls_it_cannot_use(urls: list[str], why: str) 
 
 
 @pytest.mark.parametrize("load", router_middle.LOADS)
-def test_the_middle_s_loop_runs_the_router_s_requests_to_its_faked_edge(load: str) -> None:
+@pytest.mark.parametrize("workers", [2, 16])
+def test_the_middle_s_loop_runs_the_router_s_requests_to_its_faked_edge(load: str, workers: int) -> None:
     """What router_middle.py counts: every request answered 200 by the router's own app, each one reaching the
-    faked client once, with the answer the endpoint shapes."""
+    faked client once, with the answer the endpoint shapes, spread over the --workers registered."""
     done = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "router_middle.py"), "--child", load, "7"],
+        [sys.executable, str(REPO / "bench" / "router_middle.py"), "--child", load, "7", "--workers", str(workers)],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -195,6 +196,7 @@ def test_the_middle_s_loop_runs_the_router_s_requests_to_its_faked_edge(load: st
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout)
     assert result["status"] == 200 and result["upstream_calls"] == router_middle.WARMUP + 7
+    assert result["workers_reached"] == workers  # round_robin: every one of them, within 57 requests
     if load == "generate":
         assert result["body"]["output_ids"] == [42] and result["body"]["meta_info"]["prompt_tokens"] == 200
     else:
