@@ -85,8 +85,12 @@ class InstanceState:
 
     @property
     def load(self) -> int:
-        """Queue depth: the larger of what we dispatched and what the engine last reported."""
-        stats = self.reported
+        """Queue depth: the larger of what we dispatched and what the engine last reported (nothing while down,
+        as `reported`). Load-aware policies read it for every candidate of every request, so it reads the fields
+        itself rather than through `reported` and `healthy`."""
+        if not self.worker.health.healthy:
+            return self.inflight
+        stats = self.stats
         return max(self.inflight, stats.num_running_reqs + stats.num_waiting_reqs)
 
     @property
