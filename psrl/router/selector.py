@@ -21,7 +21,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from psrl.router.config import CandidateSortIndicator, SelectionStrategy, SelectorConfig
 from psrl.router.health import BreakerState, availability_changes
@@ -153,10 +153,10 @@ class GroupPins:
 # ---- the selector -----------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Resolved:
+class Resolved(NamedTuple):
     """A selection's inputs once the remote data is in: the candidates step 1 left and, when steps 2 and 3
-    leave the choice open, those the admission hook admitted and their indicators."""
+    leave the choice open, those the admission hook admitted and their indicators. (A named tuple, built once a
+    request: a frozen dataclass costs three times as much to build.)"""
 
     meta: RoutingMeta
     candidates: Sequence[InstanceState]

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 from psrl.router.registry import InstanceState
 
@@ -14,14 +13,14 @@ if TYPE_CHECKING:
     from psrl.router.policies.kv_index import KvEventIndex
 
 
-@dataclass(frozen=True)
-class SelectionRequest:
-    """What a policy may look at: no HTTP objects, so policies are tested without a server."""
+class SelectionRequest(NamedTuple):
+    """What a policy may look at: no HTTP objects, so policies are tested without a server. A named tuple: as
+    immutable as a frozen dataclass, and a third of its cost to build (one per request)."""
 
     request_id: str
     model: str | None = None
-    prompt_ids: Sequence[int] = field(default=(), repr=False)
-    text: str | None = field(default=None, repr=False)  # for workers reached over HTTP without token ids
+    prompt_ids: Sequence[int] = ()
+    text: str | None = None  # for workers reached over HTTP without token ids
     routing_key: str | None = None  # x-smg-routing-key
 
     def prefix_key(self) -> Sequence[int]:
