@@ -297,7 +297,7 @@ class Rollout:
                 f"request interrupted {self._interrupted} times and refused {self._refused} times in a row; "
                 "giving up (max_rollout_iterations)"
             )
-        self.meta = replace(self.meta, hint=ticket.instance.id, force_pin_once=False, version_tag=ticket.pinned_version)
+        self.meta = self.meta._replace(hint=ticket.instance.id, force_pin_once=False, version_tag=ticket.pinned_version)
 
     async def _stop_watch(self) -> StopAcrossLoopBack | None:
         """For a loop-back with stop strings: the watch for one begun in the output so far."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from psrl.router.errors import BadRequest
 from psrl.router.registry import InstanceId
@@ -28,10 +28,10 @@ _HEADERS = frozenset(
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-@dataclass(frozen=True)
-class RoutingMeta:
+class RoutingMeta(NamedTuple):
     """What the PSRL selector reads. `request_id`/`prompt_id` are None when the headers are absent: such a
-    request is routed by the policy alone."""
+    request is routed by the policy alone. Built once a PSRL request: a named tuple is as immutable as a frozen
+    dataclass and a third of its cost to build."""
 
     request_id: int | None = None
     prompt_id: int | None = None
@@ -52,7 +52,7 @@ class RoutingMeta:
         return self.hint is not None and (self.is_sticky or self.force_pin_once)
 
 
-NO_ROUTING_META = RoutingMeta()  # a request without PSRL headers (frozen: one instance serves all)
+NO_ROUTING_META = RoutingMeta()  # a request without PSRL headers (immutable: one instance serves all)
 
 
 def _int(headers: Mapping[str, str], name: str) -> int | None:
