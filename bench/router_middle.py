@@ -128,8 +128,11 @@ def _proxied_app(workers: int, policy: str) -> tuple[Any, str, bytes, list[str]]
     return app, "/v1/chat/completions", json.dumps(body).encode(), reached
 
 
-def child(load: str, requests: int, workers: int = 2, policy: str = "round_robin") -> dict[str, Any]:
-    """Send WARMUP + `requests` requests of `load` through the app; what the last one answered."""
+def child(
+    load: str, requests: int, workers: int = 2, policy: str = "round_robin", psrl: bool = False
+) -> dict[str, Any]:
+    """Send WARMUP + `requests` requests of `load` through the app (with `psrl`, each with PSRL's two routing
+    headers, so it goes through selection's five steps); what the last one answered."""
     import uvloop
 
     from psrl.serving import server
@@ -145,8 +148,11 @@ def child(load: str, requests: int, workers: int = 2, policy: str = "round_robin
 
     async def run() -> dict[str, Any]:
         response = None
-        for _ in range(WARMUP + requests):
-            request = Request("POST", path, b"", dict(headers), True)
+        for i in range(WARMUP + requests):
+            sent = dict(headers)
+            if psrl:
+                sent["x-request-id"] = sent["x-prompt-id"] = str(i)
+            request = Request("POST", path, b"", sent, True)
             request.body = body
             response = await app.app.handle(request)
             if response.status_code != 200:
@@ -162,7 +168,7 @@ def child(load: str, requests: int, workers: int = 2, policy: str = "round_robin
     return uvloop.run(run())
 
 
-def count(load: str, requests: int, src: str | None, out_dir: Path, workers: int, policy: str) -> int:
+def count(load: str, requests: int, src: str | None, out_dir: Path, workers: int, policy: str, psrl: bool) -> int:
     """Instructions per request of `load`'s middle (see the module docstring). The child runs psrl from `src`
     as router_overhead.py runs a router from --router-src."""
     summaries = []
@@ -170,7 +176,7 @@ def count(load: str, requests: int, src: str | None, out_dir: Path, workers: int
         dump = out_dir / f"{load}-{n}{'-b' if src else ''}.out"
         argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={dump}"]
         argv += [*ro.psrl_argv(argparse.Namespace(router_src=None), "router_middle", src), "--child", load, str(n)]
-        argv += ["--workers", str(workers), "--policy", policy]
+        argv += ["--workers", str(workers), "--policy", policy, *(["--psrl"] if psrl else [])]
         env = {**os.environ, "PYTHONPATH": str(BENCH), "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1"}
         done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=env, check=False)
         if done.returncode != 0:
@@ -186,13 +192,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--ab-src", metavar="DIR", help="also count the middle of the tree in DIR/psrl")
     p.add_argument("--workers", type=int, default=2, help="workers registered (one instance each)")
     p.add_argument("--policy", default="round_robin", help="the router's --policy")
+    p.add_argument("--psrl", action="store_true", help="send x-request-id and x-prompt-id: PSRL's selection")
     p.add_argument("--child", nargs=2, metavar=("LOAD", "N"), help="run the loop alone (what is counted)")
     args = p.parse_args(argv)
     if args.child:
         load, n = args.child
         if load not in LOADS:
             p.error(f"--child: a load of {LOADS}, not {load!r}")
-        print(json.dumps(child(load, int(n), args.workers, args.policy)))
+        print(json.dumps(child(load, int(n), args.workers, args.policy, args.psrl)))
         return
     if args.requests < 1:
         p.error("--requests: at least 1")
@@ -201,16 +208,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     out_dir = REPO / "bench" / "out" / "router_middle"
     out_dir.mkdir(parents=True, exist_ok=True)
     trees = [("this tree", None), *([(args.ab_src, args.ab_src)] if args.ab_src else [])]
-    print(f"{args.workers} workers, {args.policy}", flush=True)
+    print(f"{args.workers} workers, {args.policy}{', PSRL headers' if args.psrl else ''}", flush=True)
     results: dict[str, dict[str, int]] = {}
     for load in args.loads:
         for name, src in trees:
-            results.setdefault(load, {})[name] = count(load, args.requests, src, out_dir, args.workers, args.policy)
+            results.setdefault(load, {})[name] = count(
+                load, args.requests, src, out_dir, args.workers, args.policy, args.psrl
+            )
             print(f"{load:9} {name}: {results[load][name]:,} instructions a request", flush=True)
         if args.ab_src:
             a, b = results[load]["this tree"], results[load][args.ab_src]
             print(f"{load:9} b/a: {b / a:.3f}", flush=True)
-    summary = {"requests": args.requests, "workers": args.workers, "policy": args.policy, "results": results}
+    summary = {"requests": args.requests, "workers": args.workers, "policy": args.policy, "psrl": args.psrl}
+    summary["results"] = results
     (out_dir / "results.json").write_text(json.dumps(summary, indent=2))
 
 
