@@ -182,12 +182,14 @@ def test_the_floor_refuses_worker_urls_it_cannot_use(urls: list[str], why: str) 
 
 
 @pytest.mark.parametrize("load", router_middle.LOADS)
-@pytest.mark.parametrize("workers", [2, 16])
-def test_the_middle_s_loop_runs_the_router_s_requests_to_its_faked_edge(load: str, workers: int) -> None:
+@pytest.mark.parametrize(("workers", "psrl"), [(2, []), (16, ["--psrl"])])
+def test_the_middle_s_loop_runs_the_router_s_requests_to_its_faked_edge(load: str, workers: int, psrl: list) -> None:
     """What router_middle.py counts: every request answered 200 by the router's own app, each one reaching the
-    faked client once, with the answer the endpoint shapes, spread over the --workers registered."""
+    faked client once, with the answer the endpoint shapes, spread over the --workers registered (with PSRL's
+    routing headers too)."""
+    argv = [sys.executable, str(REPO / "bench" / "router_middle.py"), "--child", load, "7", "--workers", str(workers)]
     done = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "router_middle.py"), "--child", load, "7", "--workers", str(workers)],
+        [*argv, *psrl],
         capture_output=True,
         text=True,
         cwd=REPO,
