@@ -95,30 +95,30 @@ def step_group(candidates: Sequence[InstanceState], meta: RoutingMeta, pins: Gro
     return hit or None
 
 
-def version_sort_key(instance: InstanceState, meta: RoutingMeta) -> int:
-    """Unversioned requests prefer the newest version; versioned ones the lowest acceptable version."""
-    return -instance.weight_version if meta.version_tag < 0 else instance.weight_version
-
-
 def sort_into_groups(
     candidates: list[InstanceState], meta: RoutingMeta, indicators: list[float] | None
 ) -> list[list[InstanceState]]:
-    """Stable sort by the indicator (then the version key); equal keys form one group, best group first."""
-    if indicators is not None:
-        keyed = [((ind, version_sort_key(c, meta)), c) for ind, c in zip(indicators, candidates)]
-    else:
-        keyed = [((0.0, version_sort_key(c, meta)), c) for c in candidates]
-    keyed.sort(key=lambda kc: kc[0])
-    return [[c for _, c in grp] for _, grp in itertools.groupby(keyed, key=lambda kc: kc[0])]
+    """The candidates grouped by their key, best group first, each group in the candidates' order (a stable sort
+    by the key, equal keys together). The key is the indicator, then the version: unversioned requests prefer the
+    newest version, versioned ones the lowest acceptable one. Grouped in one pass, as a request's selection runs
+    it over every admitted candidate."""
+    sign = -1 if meta.version_tag < 0 else 1
+    groups: dict[tuple[float, int], list[InstanceState]] = {}
+    for ind, c in zip(itertools.repeat(0.0) if indicators is None else indicators, candidates):
+        key = (ind, sign * c.weight_version)
+        group = groups.get(key)
+        if group is None:
+            groups[key] = [c]
+        else:
+            group.append(c)
+    return [groups[key] for key in sorted(groups)]
 
 
 def admission_gate(group: list[InstanceState], config: SelectorConfig) -> list[InstanceState]:
     cap = config.max_concurrent_seqs_per_instance
-    return [
-        c
-        for c in group
-        if c.inflight < cap and not (config.admission_reject_on_waiting and c.stats.num_waiting_reqs > 0)
-    ]
+    if config.admission_reject_on_waiting:
+        return [c for c in group if c.inflight < cap and c.stats.num_waiting_reqs <= 0]
+    return [c for c in group if c.inflight < cap]
 
 
 # ---- group pins ------------------------------------------------------------------------------------------

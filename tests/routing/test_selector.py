@@ -4,6 +4,8 @@ synchronously; and place() committing a choice and releasing it when recording f
 from __future__ import annotations
 
 import asyncio
+import itertools
+import random
 import time
 from collections.abc import Sequence
 
@@ -115,10 +117,25 @@ def test_sorting_by_version_and_indicator() -> None:
     _, insts = _fleet((1, 3, 3, 2))
     newest_first = sort_into_groups(insts, _meta(version_tag=-1), None)
     assert [[i.weight_version for i in g] for g in newest_first] == [[3, 3], [2], [1]]
+    assert [i.id.base_worker_id for i in newest_first[0]] == ["w1", "w2"]  # a group keeps the candidates' order
     lowest_first = sort_into_groups(insts, _meta(version_tag=2), None)
     assert [[i.weight_version for i in g] for g in lowest_first] == [[1], [2], [3, 3]]
     by_indicator = sort_into_groups(insts, _meta(), [0.0, float("-inf"), 5.0, float("-inf")])
     assert [[i.id.base_worker_id for i in g] for g in by_indicator] == [["w1"], ["w3"], ["w0"], ["w2"]]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_groups_are_a_stable_sort_by_indicator_then_version_cut_at_each_new_key(seed: int) -> None:
+    rng = random.Random(seed)
+    _, insts = _fleet([rng.randrange(4) for _ in range(rng.randrange(1, 12))])
+    indicators = rng.choice([None, [float(rng.randrange(3)) for _ in insts]])
+    meta = _meta(version_tag=rng.choice([-1, 0, 2]))
+    sign = -1 if meta.version_tag < 0 else 1
+    keyed = sorted(
+        zip(insts, indicators or [0.0] * len(insts), strict=True), key=lambda ci: (ci[1], sign * ci[0].weight_version)
+    )
+    expected = [[c for c, _ in g] for _, g in itertools.groupby(keyed, key=lambda ci: (ci[1], ci[0].weight_version))]
+    assert sort_into_groups(insts, meta, indicators) == expected
 
 
 def test_admission_gate() -> None:
