@@ -41,6 +41,13 @@ LOADS = ("generate", "proxied")
 WARMUP = 50
 
 
+def warmup(workers: int) -> int:
+    """Requests before the counted ones: at least two per worker, so that each worker's first request (its URL's
+    parts worked out and cached, say) falls in the warm-up, which both runs of a count share, and not in the
+    requests counted."""
+    return max(WARMUP, 2 * workers)
+
+
 def _generate_app(workers: int, policy: str) -> tuple[Any, str, bytes, list[str]]:
     """The app with gRPC workers whose Generate answers at once; the path, the body, and each call's target."""
     from smg_grpc_proto.generated import vllm_engine_pb2
@@ -131,7 +138,7 @@ def _proxied_app(workers: int, policy: str) -> tuple[Any, str, bytes, list[str]]
 def child(
     load: str, requests: int, workers: int = 2, policy: str = "round_robin", psrl: bool = False
 ) -> dict[str, Any]:
-    """Send WARMUP + `requests` requests of `load` through the app (with `psrl`, each with PSRL's two routing
+    """Send warmup(workers) + `requests` requests of `load` through the app (with `psrl`, each with PSRL's two routing
     headers, so it goes through selection's five steps); what the last one answered."""
     import uvloop
 
@@ -148,7 +155,7 @@ def child(
 
     async def run() -> dict[str, Any]:
         response = None
-        for i in range(WARMUP + requests):
+        for i in range(warmup(workers) + requests):
             sent = dict(headers)
             if psrl:
                 sent["x-request-id"] = sent["x-prompt-id"] = str(i)

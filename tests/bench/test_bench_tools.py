@@ -197,7 +197,7 @@ def test_the_middle_s_loop_runs_the_router_s_requests_to_its_faked_edge(load: st
     )
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout)
-    assert result["status"] == 200 and result["upstream_calls"] == router_middle.WARMUP + 7
+    assert result["status"] == 200 and result["upstream_calls"] == router_middle.warmup(workers) + 7
     assert result["workers_reached"] == workers  # round_robin: every one of them, within 57 requests
     if load == "generate":
         assert result["body"]["output_ids"] == [42] and result["body"]["meta_info"]["prompt_tokens"] == 200
