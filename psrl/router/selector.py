@@ -216,15 +216,18 @@ class Selector:
 
     def _survivors(self, instances: Sequence[InstanceState], meta: RoutingMeta) -> tuple[InstanceState, ...]:
         """Step 1's result, kept per list of instances and version floor until something that decides it changes
-        (`availability_changes`): a request then costs no pass over the fleet. A result is not kept while a
-        breaker among the instances is not closed, since an open one turns half-open with time alone."""
+        (`availability_changes`): a request then costs no pass over the fleet. A result is not kept while an
+        instance that is up and not paused has a breaker that is not closed: an open one turns half-open with time
+        alone, and a half-open one's trial ends without a change counted. The breaker of an instance that is down
+        or paused is not asked, so it cannot change the result before its health or pause does, which counts (a
+        replica that stays down does not cost every request a pass)."""
         key = (id(instances), meta.version_tag)
         changes = availability_changes()
         kept = self._kept.get(key)
         if kept is not None and kept[0] is instances and kept[1] == changes:
             return kept[2]
         survivors = tuple(step_available(instances, meta, time.monotonic()))  # shared by the requests it serves
-        if all(i.breaker.state is BreakerState.CLOSED for i in instances):
+        if all(i.breaker.state is BreakerState.CLOSED or i.paused or not i.healthy for i in instances):
             if len(self._kept) >= MAX_KEPT_SURVIVORS:
                 self._kept.clear()
             self._kept[key] = (instances, changes, survivors)

@@ -88,6 +88,16 @@ def test_step_1_is_kept_until_something_that_decides_it_changes() -> None:
     assert list(survivors()) == list(insts[1:])
     time.sleep(0.06)  # nothing is written: an open breaker turns half-open with time alone
     assert list(survivors()) == list(insts)
+    insts[0].breaker.record(True, time.monotonic())  # the trial passed: closed again
+    insts[1].breaker.record(False, time.monotonic())
+    insts[1].breaker.record(False, time.monotonic())
+    insts[1].worker.health.mark_down()  # a replica that stays down: its open breaker is not asked
+    assert survivors() is survivors() and list(survivors()) == [insts[0], insts[2]]
+    for _ in range(reg.health_config.success_threshold):
+        insts[1].worker.health.record(True)  # back up, its breaker still open: not kept until it half-opens
+    assert list(survivors()) == [insts[0], insts[2]]
+    time.sleep(0.06)
+    assert list(survivors()) == list(insts)
     other = reg.view(None).instances  # another list of the same instances: its own result
     assert other is not insts and list(sel.available(other, plain).candidates) == list(insts)
 
