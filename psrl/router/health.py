@@ -94,11 +94,11 @@ class CircuitBreaker:
         that is not closed changes its answer without a write: selection does not keep an answer that had one.)"""
         if self._state is BreakerState.CLOSED:  # the common case
             return True
-        if self.state is BreakerState.OPEN and now - self._opened_at >= self.config.open_duration_s:
+        if self._state is BreakerState.OPEN and now - self._opened_at >= self.config.open_duration_s:
             self.state = BreakerState.HALF_OPEN
             self._successes = 0
             self._trial_in_flight = False
-        return self.state is BreakerState.HALF_OPEN and not self._trial_in_flight
+        return self._state is BreakerState.HALF_OPEN and not self._trial_in_flight
 
     def on_dispatch(self) -> None:
         if self._state is BreakerState.HALF_OPEN:
@@ -114,7 +114,7 @@ class CircuitBreaker:
                     self.state = BreakerState.CLOSED
             return
         self._failures += 1
-        if self.state is BreakerState.HALF_OPEN or self._failures >= self.config.failure_threshold:
+        if self._state is BreakerState.HALF_OPEN or self._failures >= self.config.failure_threshold:
             self.state = BreakerState.OPEN
             self._opened_at = now
             self._trial_in_flight = False
