@@ -156,8 +156,15 @@ static PyObject *json_opens(PyObject *module, PyObject *data) {
     const uint8_t *p = (const uint8_t *)PyBytes_AS_STRING(data);
     Py_ssize_t n = PyBytes_GET_SIZE(data);
     size_t count = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        count += (p[i] == '[') | (p[i] == '{');
+    /* Blocks of 240 bytes (15 vectors of 16) count into a byte, which cannot overflow there: the compiler then
+     * keeps a byte per lane (16 bytes a step) where a size_t count widened every byte to 8. */
+    for (Py_ssize_t start = 0; start < n; start += 240) {
+        Py_ssize_t stop = n - start < 240 ? n : start + 240;
+        uint8_t block = 0;
+        for (Py_ssize_t i = start; i < stop; i++) {
+            block += (uint8_t)((p[i] == '[') | (p[i] == '{'));
+        }
+        count += block;
     }
     return PyLong_FromSize_t(count);
 }

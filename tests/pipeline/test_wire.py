@@ -89,9 +89,10 @@ def test_a_prompt_that_is_not_uint32s_is_a_bad_request() -> None:
 
 
 def test_json_opens_counts_both_brackets_at_every_length() -> None:
-    """Every length up to a few vector widths (the loop's tail), and bodies of every byte value."""
+    """Every length up to a few vector widths (the loop's tail), around its blocks of 240, and bodies of every byte
+    value."""
     rng = random.Random(7)
-    for n in [*range(0, 130), 4096, 100_003]:
+    for n in [*range(0, 130), *range(235, 245), 479, 480, 481, 4096, 100_003]:
         data = bytes(rng.choice(b'[{]}"a1 ,\x00\xff') for _ in range(n))
         assert json_opens(data) == data.count(b"[") + data.count(b"{"), n
     assert json_opens(bytes(range(256)) * 3) == 6
