@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from psrl._wire import json_opens
+from psrl._wire import json_opens, json_take_token_ids
 
 # Deeper than any real request (tool schemas nest a few dozen levels) and far below the interpreter's
 # recursion limit, so neither json.loads nor later code that walks the value (json.dumps, templates) recurses
@@ -92,6 +92,27 @@ def loads_bounded(raw: bytes | str) -> Any:
     except ValueError:  # the only other ValueError json raises: int() refusing a very long literal
         detail = f"an integer literal longer than {sys.get_int_max_str_digits()} digits"
         raise JsonBodyError(f"request body has {detail}", detail) from None
+
+
+def loads_token_ids(raw: bytes, field: str) -> Any:
+    """`loads_bounded(raw)`, except that where the body is an object whose `field` is a flat array of token ids
+    (non-negative integer literals below 2**32), that field's value is an array('I') of them.
+
+    The ids are read from their digits in C and taken out of the text (`json_take_token_ids`), and msgspec
+    decodes the rest: the same value as one decode of the body, but the ids never become Python ints, and the
+    decoder reads only the rest. A body that is anything else, or whose rest msgspec refuses, takes
+    `loads_bounded`'s way and gets its value or its error."""
+    if json_opens(raw) <= MAX_JSON_DEPTH:
+        taken = json_take_token_ids(raw, field.encode())
+        if taken is not None:
+            try:
+                body = _FAST_DECODER.decode(taken[1])
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                pass
+            else:
+                body[field] = taken[0]
+                return body
+    return loads_bounded(raw)
 
 
 def may_hold_surrogates(raw: bytes) -> bool:

@@ -1,14 +1,16 @@
 """psrl._wire: token ids as protobuf's own packed field, every bad id refused by index; a JSON body's opening
-brackets counted."""
+brackets counted; a JSON array of token ids read as json reads it."""
 
 from __future__ import annotations
 
+import json
 import random
+from array import array
 
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2
 
-from psrl._wire import json_opens, packed_uint32
+from psrl._wire import json_opens, json_take_token_ids, packed_uint32
 from psrl.router.errors import BadRequest
 from psrl.router.pipeline.context import GenerationInput, SamplingSpec
 
@@ -103,3 +105,119 @@ def test_json_opens_takes_bytes_only() -> None:
     for wrong in ("[{", bytearray(b"["), memoryview(b"[")):
         with pytest.raises(TypeError, match="must be bytes"):
             json_opens(wrong)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("ids", [EDGES, [5], list(range(0, 300_000, 7)), []])
+def test_an_array_packs_as_its_list(ids: list[int]) -> None:
+    packed = array("I", ids)
+    assert packed_uint32(INPUT_IDS, packed) == packed_uint32(INPUT_IDS, ids)
+    assert packed_uint32(INPUT_IDS, packed, TOKENIZED) == packed_uint32(INPUT_IDS, ids, TOKENIZED)
+    gen = GenerationInput("r", packed, SamplingSpec(max_tokens=3))
+    assert gen.to_wire(0) == GenerationInput("r", ids, SamplingSpec(max_tokens=3)).to_wire(0)
+
+
+def test_only_an_array_of_uint32_packs() -> None:
+    for wrong in (array("i", [1]), array("L", [1]), array("H", [1]), b"\x01\x00\x00\x00", memoryview(b"1234")):
+        with pytest.raises(TypeError, match=r"must be a list or an array\('I'\)"):
+            packed_uint32(INPUT_IDS, wrong)  # type: ignore[arg-type]
+
+
+# Literals in an id's place that are not a token id as JSON writes one: signed, floats, other types, not JSON.
+NOT_IDS = ("-1", "-0", "+1", "1E2", "true", "null", '"1"', "[1]", "", "0x10", "1_0", "\u0661")
+
+
+def _id_texts(rng: random.Random) -> list[str]:
+    """JSON arrays of ids, spaced every way JSON allows, and their near misses."""
+    space = ["", " ", "\n", "\t ", "\r\n  "]
+    texts = []
+    for _ in range(300):
+        ids = [rng.choice([*EDGES, rng.randrange(2**32)]) for _ in range(rng.randrange(1, 12))]
+        if rng.random() < 0.1:  # out of range
+            ids[rng.randrange(len(ids))] = rng.choice([2**32, 2**64, 10**30])
+        parts = [str(i) for i in ids]
+        if rng.random() < 0.3:  # one literal JSON writes otherwise, or that is not JSON
+            k = rng.randrange(len(parts))
+            parts[k] = rng.choice([*NOT_IDS, "0" + parts[k], parts[k] + ".0", parts[k] + "e0"])
+        text = "[" + ",".join(rng.choice(space) + p + rng.choice(space) for p in parts) + "]"
+        if rng.random() < 0.1:
+            text = rng.choice([text + ",", text[:-1], text + "]", "[" + text, "[]", "[ ]", "{}", "1"])
+        texts.append(text)
+    return texts
+
+
+# Fields around the ids: brackets and the key's own name inside strings, escapes, nesting, other literals.
+OTHER_FIELDS = (
+    '"model": "m"',
+    '"s": "]}, \\"input_ids\\": [9], {["',
+    '"q": "\\\\"',
+    '"n": {"input_ids": [1, 2], "a": [[], {}, "x"]}',
+    '"f": -1.5e3',
+    '"t": true, "u": null',
+    '"e": "\\u00e9\\ud83d\\ude00"',
+    '"input_ids_2": [1]',
+)
+
+
+def _bodies(rng: random.Random) -> list[bytes]:
+    """Objects holding an `input_ids` among other fields, and near misses of the object around it."""
+    bodies = []
+    for ids in _id_texts(rng):
+        fields = rng.sample(OTHER_FIELDS, rng.randrange(0, 4))
+        fields.insert(rng.randrange(len(fields) + 1), f'"input_ids": {ids}')
+        body = "{" + rng.choice([", ", ",", " ,\n"]).join(fields) + "}"
+        if rng.random() < 0.15:
+            body = rng.choice(
+                [
+                    body + ",",
+                    body[:-1],
+                    body + "}",
+                    " " + body + " \n",
+                    body.replace('"input_ids"', '"input\\u005fids"', 1),
+                    body[:-1] + ', "input_ids": [5]}',
+                    body.replace(":", "", 1),
+                    body.replace('"m"', "m"),
+                    "[" + body + "]",
+                ]
+            )
+        bodies.append(body.encode())
+    return bodies
+
+
+def test_json_take_token_ids_reads_as_json_does() -> None:
+    """Where the ids are taken out, json reads the body as an object whose `input_ids` is a flat list of ids
+    (no sign written), the array holds them, and the rest reads as the same object with [] there; or, for a body
+    json refuses, the rest is refused too (so the decoder after it refuses). Every well-formed body with a flat
+    array of ids is taken: the way a /generate request's prompt is read."""
+    taken = 0
+    for raw in _bodies(random.Random(11)):
+        got = json_take_token_ids(raw, b"input_ids")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = None
+        ids = value.get("input_ids") if isinstance(value, dict) else None
+        flat = isinstance(ids, list) and bool(ids) and all(type(i) is int and 0 <= i < 2**32 for i in ids)
+        plain = flat and raw.count(b'"input_ids"') - raw.count(b'"input_ids": [1, 2]') == 1 and b"-0" not in raw
+        if got is None:
+            assert not plain, raw
+            continue
+        taken += 1
+        array_ids, rest = got
+        if value is None:
+            with pytest.raises(ValueError):
+                json.loads(rest)
+            continue
+        assert flat and array_ids.typecode == "I" and array_ids.tolist() == ids, raw
+        assert json.loads(rest) == {**value, "input_ids": []}, raw
+    assert taken > 100
+
+
+def test_json_take_token_ids_of_a_long_prompt() -> None:
+    long_prompt = list(range(0, 2**32, 2**32 // 30_000))
+    raw = json.dumps({"model": "m", "input_ids": long_prompt, "sampling_params": {"n": 2}}).encode()
+    got = json_take_token_ids(raw, b"input_ids")
+    assert got is not None and got[0].tolist() == long_prompt
+    assert got[1] == b'{"model": "m", "input_ids": [], "sampling_params": {"n": 2}}'
+    for wrong in (("{}", b"k"), (b"{}", "k"), (b"{}",)):
+        with pytest.raises(TypeError, match="takes two bytes"):
+            json_take_token_ids(*wrong)  # type: ignore[arg-type]

@@ -4,6 +4,9 @@ the documented limit, and every refusal is a JsonBodyError naming the problem.""
 from __future__ import annotations
 
 import json
+import re
+from array import array
+from typing import Any
 
 import pytest
 
@@ -11,6 +14,7 @@ from psrl.serving.json_body import (
     MAX_JSON_DEPTH,
     JsonBodyError,
     loads_bounded,
+    loads_token_ids,
     may_hold_surrogates,
     nesting_depth_exceeds,
 )
@@ -85,11 +89,70 @@ def test_both_decoders_give_json_loads_value(raw: bytes) -> None:
 def test_a_fast_decoder_refusal_is_json_refusal() -> None:
     """Malformed bodies fail in both decoders; the message is json's, as before the fast path."""
     for raw in (b'{"a": 01}', b'{"a": 1}  x', b'{"a": .5}', b'{"a": "\t"}', b"[1,]"):
-        with pytest.raises(JsonBodyError) as ours:
-            loads_bounded(raw)
-        with pytest.raises(json.JSONDecodeError) as theirs:
-            json.loads(raw)
-        assert str(ours.value) == f"request body is not valid JSON: {theirs.value}"
+        for loads in (loads_bounded, lambda raw: loads_token_ids(raw, "a")):
+            with pytest.raises(JsonBodyError) as ours:
+                loads(raw)
+            with pytest.raises(json.JSONDecodeError) as theirs:
+                json.loads(raw)
+            assert str(ours.value) == f"request body is not valid JSON: {theirs.value}"
+
+
+def _as_lists(value: Any) -> Any:
+    return (
+        {k: v.tolist() if isinstance(v, array) else v for k, v in value.items()} if isinstance(value, dict) else value
+    )
+
+
+@pytest.mark.parametrize(
+    ("raw", "read_as_array"),
+    [
+        (b'{"model": "m", "input_ids": [1, 2, 4294967295], "sampling_params": {"max_new_tokens": 1}}', True),
+        (b'{ "input_ids" : [ 0 ] , "x" : [1.5, "\\u00e9", null] }', True),
+        (b'{"input_ids": [7, 8], "a": 123456789012345678901234567890}', True),
+        (b'{"input_ids": "text", "input_ids": [7, 8]}', False),  # twice: json's way, where the last one wins
+        (b'{"input_ids": [7, 8], "input_ids": "text"}', False),
+        (b'{"input_ids": [[1, 2], [3]], "a": 1}', False),  # a batch: decoded as JSON
+        (b'{"input_ids": [1, -2, 3.0, 1e2]}', False),
+        (b'{"input_ids": [4294967296], "b": 18446744073709551616}', False),
+        (b'{"input_ids": [], "text": "hi"}', False),
+        (b'{"text": "no ids"}', False),
+        # refused by msgspec, so decoded by json as loads_bounded does: the ids as a list
+        (b'{"input_ids": [1], "a": "\\ud800", "b": NaN}', False),
+        (b'{"input_ids": [1], "s": "\xff"}', False),
+        (b'\xef\xbb\xbf{"input_ids": [1]}', False),
+        ('{"input_ids": [1, 2]}'.encode("utf-16"), False),
+        (b"[1, 2, 3]", False),
+        (b'"input_ids"', False),
+        (b'{"input_ids": [01]}', False),
+    ],
+)
+def test_token_ids_field_has_json_loads_value(raw: bytes, read_as_array: bool) -> None:
+    """The ids field as an array('I') where it is a flat array of ids; everything else, and the value as a
+    whole, as loads_bounded gives it (so as json.loads does), or the same refusal."""
+    try:
+        expected = loads_bounded(raw)
+    except JsonBodyError as e:
+        with pytest.raises(JsonBodyError, match=re.escape(str(e))):
+            loads_token_ids(raw, "input_ids")
+        assert not read_as_array
+        return
+    got = loads_token_ids(raw, "input_ids")
+    assert repr(_as_lists(got)) == repr(expected)
+    assert _holds_array(got) == read_as_array
+    if read_as_array:
+        assert isinstance(got["input_ids"], array) and got["input_ids"].typecode == "I"
+
+
+def _holds_array(value: Any) -> bool:
+    return isinstance(value, dict) and any(isinstance(v, array) for v in value.values())
+
+
+def test_token_ids_field_is_bounded_as_any_body() -> None:
+    deep = b'{"input_ids": [1], "x": ' + b"[" * 300 + b"]" * 300 + b"}"
+    with pytest.raises(JsonBodyError, match=f"nested deeper than {MAX_JSON_DEPTH}"):
+        loads_token_ids(deep, "input_ids")
+    with pytest.raises(JsonBodyError, match="longer than 4300 digits"):
+        loads_token_ids(b'{"input_ids": [1], "x": ' + b"1" * 5000 + b"}", "input_ids")
 
 
 def test_only_a_surrogate_escape_makes_a_body_need_its_strings_checked() -> None:

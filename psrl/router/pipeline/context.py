@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import base64
 import io
+from array import array
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 from smg_grpc_proto.generated import vllm_engine_pb2
@@ -15,6 +16,10 @@ from psrl.router.errors import BadRequest
 
 _INPUT_IDS_FIELD = vllm_engine_pb2.TokenizedInput.DESCRIPTOR.fields_by_name["input_ids"].number
 _TOKENIZED_FIELD = vllm_engine_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["tokenized"].number
+
+# A prompt's token ids: a list, or an array('I') where they were read from a JSON body without becoming ints
+# (psrl.serving.json_body.loads_token_ids). Both are sequences of ints that packed_uint32 packs.
+TokenIds: TypeAlias = "list[int] | array[int]"
 
 
 @dataclass
@@ -114,7 +119,7 @@ class GenerationInput:
     """One prompt, ready for a replica."""
 
     request_id: str
-    prompt_ids: list[int]
+    prompt_ids: TokenIds
     sampling: SamplingSpec
     stream: bool = False
     kv_transfer_params_json: str = ""  # a looped-back request: where its KV is (see Dispatcher.kv_transfer_params)
@@ -137,12 +142,19 @@ class GenerationInput:
         return request.SerializeToString() + tokenized_field(self.prompt_ids)
 
 
-def tokenized_field(prompt_ids: list[int]) -> bytes:
+def tokenized_field(prompt_ids: TokenIds) -> bytes:
     """A GenerateRequest's `tokenized` field holding these ids, as bytes to append to the rest of the request."""
     try:
         return packed_uint32(_INPUT_IDS_FIELD, prompt_ids, _TOKENIZED_FIELD)
     except (TypeError, OverflowError) as e:  # parse checked a client's ids already: a bug upstream
         raise BadRequest(f"the prompt's token ids are not uint32s: {e}") from None
+
+
+def extended(prompt_ids: TokenIds, more: list[int]) -> TokenIds:
+    """The prompt's ids followed by `more`, in the prompt's own kind of sequence."""
+    if isinstance(prompt_ids, array):
+        return prompt_ids + array("I", more)
+    return prompt_ids + more
 
 
 @dataclass

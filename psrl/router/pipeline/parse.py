@@ -4,15 +4,16 @@ BadRequest naming it."""
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from psrl._wire import packed_uint32
 from psrl.router.errors import BadRequest, PayloadTooLarge
-from psrl.router.pipeline.context import SamplingSpec
+from psrl.router.pipeline.context import SamplingSpec, TokenIds
 from psrl.router.pipeline.tool_choice import ConstrainedSampling, ToolChoice, hermes_structural_tag, parse_tool_choice
-from psrl.serving.json_body import JsonBodyError, loads_bounded
+from psrl.serving.json_body import JsonBodyError, loads_bounded, loads_token_ids
 from psrl.tokenizer import TEMPLATE_CALL_ARGS, lone_surrogate_at
 
 _MISSING = object()
@@ -23,19 +24,22 @@ GENERATE_DEFAULT_MAX_NEW_TOKENS = 128
 MAX_N = 128
 
 
-def parse_json(raw: bytes, max_bytes: int) -> Any:
-    """The body's JSON value (None for an empty body). The server refuses oversized bodies while reading them;
-    the size check here keeps the stage correct on its own."""
+def parse_json(raw: bytes, max_bytes: int, ids_field: str | None = None) -> Any:
+    """The body's JSON value (None for an empty body); with `ids_field`, that field of an object as an
+    array('I') where it is a flat array of token ids (`loads_token_ids`). The server refuses oversized bodies
+    while reading them; the size check here keeps the stage correct on its own."""
     if len(raw) > max_bytes:
         raise PayloadTooLarge(f"request body is {len(raw)} bytes; the limit is {max_bytes}")
     try:
-        return loads_bounded(raw) if raw else None
+        if not raw:
+            return None
+        return loads_bounded(raw) if ids_field is None else loads_token_ids(raw, ids_field)
     except JsonBodyError as e:
         raise BadRequest(str(e)) from None
 
 
-def parse_json_body(raw: bytes, max_bytes: int) -> dict[str, Any]:
-    body = parse_json(raw, max_bytes)
+def parse_json_body(raw: bytes, max_bytes: int, ids_field: str | None = None) -> dict[str, Any]:
+    body = parse_json(raw, max_bytes, ids_field)
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     return body
@@ -126,8 +130,11 @@ def get_str(body: dict[str, Any], name: str, default: str | None) -> str | None:
     return value
 
 
-def get_token_ids(value: Any, name: str) -> list[int]:
-    """Checked in C as the Generate request will carry them (psrl._wire): ints, not booleans, in [0, 2**32)."""
+def get_token_ids(value: Any, name: str) -> TokenIds:
+    """Checked in C as the Generate request will carry them (psrl._wire): ints, not booleans, in [0, 2**32). An
+    array('I') (`parse_json`'s `ids_field`) holds nothing else."""
+    if isinstance(value, array):
+        return value
     if not isinstance(value, list):
         raise BadRequest(f"'{name}' must be a list of integer token ids", param=name)
     try:
@@ -407,7 +414,7 @@ def parse_chat(body: dict[str, Any], *, check_texts: bool = True) -> ChatRequest
 
 @dataclass
 class CompletionRequest:
-    prompts: list[str | list[int]]
+    prompts: list[str | TokenIds]
     sampling: SamplingSpec
     stream: bool
     include_usage: bool
@@ -418,7 +425,7 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
     prompt = _present(body, "prompt")
     if prompt is _MISSING:
         raise BadRequest("'prompt' is required", param="prompt")
-    prompts: list[str | list[int]]
+    prompts: list[str | TokenIds]
     if isinstance(prompt, str):
         prompts = [check_text(prompt, "prompt")]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
@@ -452,7 +459,7 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
 
 @dataclass
 class GenerateRequestBody:
-    prompts: list[list[int] | str]
+    prompts: list[TokenIds | str]
     request_ids: list[str | None]
     sampling: SamplingSpec
     return_logprob: bool
@@ -467,7 +474,7 @@ def parse_generate(body: dict[str, Any]) -> GenerateRequestBody:
         raise BadRequest("stream=true is not supported on /generate; use /v1/completions for streaming", param="stream")
     input_ids = _present(body, "input_ids")
     text = _present(body, "text")
-    prompts: list[list[int] | str]
+    prompts: list[TokenIds | str]
     if input_ids is not _MISSING:
         if isinstance(input_ids, list) and input_ids and all(isinstance(p, list) for p in input_ids):
             prompts, batched = [get_token_ids(p, "input_ids") for p in input_ids], True

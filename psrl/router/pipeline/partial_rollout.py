@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from psrl.router.errors import RouterError
-from psrl.router.pipeline.context import Generation, GenerationInput, RoutedExperts
+from psrl.router.pipeline.context import Generation, GenerationInput, RoutedExperts, extended
 
 TERMINAL = ("stop", "length")
 
@@ -142,7 +142,7 @@ class RolloutState:
         choice = f"-{self.index}" if original.sampling.n > 1 else ""
         return replace(
             original,
-            prompt_ids=original.prompt_ids + self.output_ids,
+            prompt_ids=extended(original.prompt_ids, self.output_ids),
             sampling=sampling,
             request_id=f"{original.request_id}{choice}-r{self.iterations}",
             routed_experts_start=self.routed_experts_start,

@@ -6,7 +6,7 @@ import asyncio
 import os
 
 from psrl.router.errors import BadRequest, PromptOverflow
-from psrl.router.pipeline.context import SamplingSpec
+from psrl.router.pipeline.context import SamplingSpec, TokenIds
 from psrl.router.pipeline.parse import ChatRequest
 from psrl.tokenizer import ChatTemplateError, InvalidTextError, Tokenizer
 
@@ -58,7 +58,7 @@ async def chat_prompt_ids(chat: ChatRequest, tokenizer: Tokenizer) -> list[int]:
     return await _encode(tokenizer, text, "messages")
 
 
-async def text_prompt_ids(prompt: str | list[int], tokenizer: Tokenizer, param: str = "prompt") -> list[int]:
+async def text_prompt_ids(prompt: str | TokenIds, tokenizer: Tokenizer, param: str = "prompt") -> TokenIds:
     """A completions (or /generate) prompt's ids; `param` names the field it came in."""
     if not prompt:
         raise BadRequest("prompt is empty", param=param)
@@ -67,7 +67,7 @@ async def text_prompt_ids(prompt: str | list[int], tokenizer: Tokenizer, param: 
     return prompt
 
 
-def check_prompt(prompt_ids: list[int], sampling: SamplingSpec, max_context: int) -> None:
+def check_prompt(prompt_ids: TokenIds, sampling: SamplingSpec, max_context: int) -> None:
     """Refuse before dispatch a prompt that (with max_tokens) does not fit the context.
 
     The message opens with OpenAI's (and older vLLM's) context-window wording, which client libraries match,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from psrl.router.pipeline.context import Generation
+from psrl.router.pipeline.context import Generation, TokenIds
 from psrl.router.pipeline.tool_calls import ParsedOutput, StreamPiece
 from psrl.router.web import encode_json
 from psrl.tokenizer import Tokenizer
@@ -211,7 +211,7 @@ def generate_output(
     request_id: str,
     gen: Generation,
     weight_version: int,
-    prompt_ids: list[int],
+    prompt_ids: TokenIds,
     return_logprob: bool,
     return_prompt_token_ids: bool,
     text: str | None,
@@ -235,7 +235,7 @@ def generate_output(
         if gen.top_logprobs is not None:
             meta["output_top_logprobs"] = [[[alp, a] for a, alp in alts] for alts in gen.top_logprobs]
     if return_prompt_token_ids:
-        meta["prompt_token_ids"] = prompt_ids
+        meta["prompt_token_ids"] = prompt_ids if isinstance(prompt_ids, list) else prompt_ids.tolist()
     if return_routed_experts:
         # SGLang's fields, the array as a base64 .npy [n, num_layers, top_k] (None: no replica recorded them).
         routed = gen.routed_experts

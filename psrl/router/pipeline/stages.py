@@ -117,9 +117,9 @@ def resolve_model(registry: WorkerRegistry, model: str | None) -> str:
     return model
 
 
-def read(s: Services, ctx: RequestContext) -> None:
+def read(s: Services, ctx: RequestContext, ids_field: str | None = None) -> None:
     ctx.raw = ctx.http.body
-    ctx.body = P.parse_json_body(ctx.raw, s.config.max_payload_bytes)
+    ctx.body = P.parse_json_body(ctx.raw, s.config.max_payload_bytes, ids_field)
     ctx.meta = parse_routing_meta(ctx.http.headers)
     ctx.created = int(time.time())
     ctx.model = resolve_model(s.registry, P.get_str(ctx.body, "model", None))
@@ -129,6 +129,11 @@ def read_chat(s: Services, ctx: RequestContext) -> None:
     read(s, ctx)
     ctx.request_id = new_request_id("chatcmpl")
     ctx.turn = TitoBridge.turn_of(ctx.http.headers) if s.config.tito.enable_tito else None
+
+
+def read_generate(s: Services, ctx: RequestContext) -> None:
+    """`input_ids` as an array('I') where it is one prompt's ids: read from the body's digits, never as ints."""
+    read(s, ctx, "input_ids")
 
 
 def read_completion(s: Services, ctx: RequestContext) -> None:
@@ -218,7 +223,7 @@ async def prepare_generate(s: Services, ctx: RequestContext) -> None:
     tok = ctx.tokenizer
     for prompt, request_id in zip(req.prompts, req.request_ids, strict=True):
         ids = await text_prompt_ids(prompt, tok, "text") if isinstance(prompt, str) and tok else prompt
-        assert isinstance(ids, list)
+        assert not isinstance(ids, str)
         if routed_start is not None and routed_start > len(ids):
             raise BadRequest(
                 f"routed_experts_start_len ({routed_start}) exceeds the prompt's {len(ids)} tokens",
@@ -451,7 +456,7 @@ COMPLETION = Pipeline(
 GENERATE = Pipeline(  # token ids in and out: gRPC workers only, so no route stage
     "generate",
     [
-        Stage("read", read),
+        Stage("read", read_generate),
         Stage("parse", parse_generate),
         Stage("prepare", prepare_generate),
         Stage("execute", execute),
