@@ -19,6 +19,7 @@ Run from the repo root with the venv active (valgrind must be installed):
     python bench/router_middle.py                        # both loads, this tree (~3 min)
     python bench/router_middle.py --ab-src /tmp/old      # also another tree (git archive + _proto + the .so)
     python bench/router_middle.py --workers 64           # what a request costs in front of a larger fleet
+    python bench/router_middle.py --loads generate --prompt-ids 3000   # a /generate of a longer prompt
     python bench/router_middle.py --child generate 100   # the loop alone, no valgrind (what the counts run)
 """
 
@@ -48,8 +49,9 @@ def warmup(workers: int) -> int:
     return max(WARMUP, 2 * workers)
 
 
-def _generate_app(workers: int, policy: str) -> tuple[Any, str, bytes, list[str]]:
-    """The app with gRPC workers whose Generate answers at once; the path, the body, and each call's target."""
+def _generate_app(workers: int, policy: str, prompt_ids: int) -> tuple[Any, str, bytes, list[str]]:
+    """The app with gRPC workers whose Generate answers at once; the path, the body (a prompt of `prompt_ids` ids),
+    and each call's target."""
     from smg_grpc_proto.generated import vllm_engine_pb2
 
     from psrl.router.app import RouterApp
@@ -64,7 +66,7 @@ def _generate_app(workers: int, policy: str) -> tuple[Any, str, bytes, list[str]
     frame = vllm_engine_pb2.GenerateResponse()
     frame.complete.output_ids.extend([42])
     frame.complete.finish_reason = "length"
-    frame.complete.prompt_tokens = 200
+    frame.complete.prompt_tokens = prompt_ids
     wire = frame.SerializeToString()
     reached: list[str] = []
 
@@ -96,7 +98,7 @@ def _generate_app(workers: int, policy: str) -> tuple[Any, str, bytes, list[str]
             pass
 
     app.clients._streams = Streams()  # the gRPC edge
-    ids = [3 + (i * 37) % 600 for i in range(200)]
+    ids = [3 + (i * 37) % 600 for i in range(prompt_ids)]
     body = {"model": "tiny", "input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
     return app, "/generate", json.dumps(body).encode(), reached
 
@@ -136,7 +138,7 @@ def _proxied_app(workers: int, policy: str) -> tuple[Any, str, bytes, list[str]]
 
 
 def child(
-    load: str, requests: int, workers: int = 2, policy: str = "round_robin", psrl: bool = False
+    load: str, requests: int, workers: int = 2, policy: str = "round_robin", psrl: bool = False, prompt_ids: int = 200
 ) -> dict[str, Any]:
     """Send warmup(workers) + `requests` requests of `load` through the app (with `psrl`, each with PSRL's two routing
     headers, so it goes through selection's five steps); what the last one answered."""
@@ -145,7 +147,10 @@ def child(
     from psrl.serving import server
     from psrl.serving.http1 import Request
 
-    app, path, body, reached = (_generate_app if load == "generate" else _proxied_app)(workers, policy)
+    if load == "generate":
+        app, path, body, reached = _generate_app(workers, policy, prompt_ids)
+    else:
+        app, path, body, reached = _proxied_app(workers, policy)
     # The GC as the router's server sets it once it listens. A tree given to --ab-src from before 7 December 2026
     # has no `tune_gc` and runs on Python's default GC, as it was counted then (the counts differ by under 1%).
     tune_gc = getattr(server, "tune_gc", None)
@@ -175,15 +180,17 @@ def child(
     return uvloop.run(run())
 
 
-def count(load: str, requests: int, src: str | None, out_dir: Path, workers: int, policy: str, psrl: bool) -> int:
-    """Instructions per request of `load`'s middle (see the module docstring). The child runs psrl from `src`
-    as router_overhead.py runs a router from --router-src."""
+def count(load: str, requests: int, src: str | None, out_dir: Path, args: argparse.Namespace) -> int:
+    """Instructions per request of `load`'s middle (see the module docstring), with the --workers, --policy,
+    --psrl and --prompt-ids of `args`. The child runs psrl from `src` as router_overhead.py runs a router from
+    --router-src."""
     summaries = []
     for n in (0, requests):
         dump = out_dir / f"{load}-{n}{'-b' if src else ''}.out"
         argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={dump}"]
         argv += [*ro.psrl_argv(argparse.Namespace(router_src=None), "router_middle", src), "--child", load, str(n)]
-        argv += ["--workers", str(workers), "--policy", policy, *(["--psrl"] if psrl else [])]
+        argv += ["--workers", str(args.workers), "--policy", args.policy, "--prompt-ids", str(args.prompt_ids)]
+        argv += ["--psrl"] if args.psrl else []
         env = {**os.environ, "PYTHONPATH": str(BENCH), "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1"}
         done = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=env, check=False)
         if done.returncode != 0:
@@ -200,33 +207,36 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--workers", type=int, default=2, help="workers registered (one instance each)")
     p.add_argument("--policy", default="round_robin", help="the router's --policy")
     p.add_argument("--psrl", action="store_true", help="send x-request-id and x-prompt-id: PSRL's selection")
+    p.add_argument("--prompt-ids", type=int, default=200, help="token ids in a /generate prompt")
     p.add_argument("--child", nargs=2, metavar=("LOAD", "N"), help="run the loop alone (what is counted)")
     args = p.parse_args(argv)
     if args.child:
         load, n = args.child
         if load not in LOADS:
             p.error(f"--child: a load of {LOADS}, not {load!r}")
-        print(json.dumps(child(load, int(n), args.workers, args.policy, args.psrl)))
+        print(json.dumps(child(load, int(n), args.workers, args.policy, args.psrl, args.prompt_ids)))
         return
     if args.requests < 1:
         p.error("--requests: at least 1")
     if args.workers < 1:
         p.error("--workers: at least 1")
+    if args.prompt_ids < 1:
+        p.error("--prompt-ids: at least 1")
     out_dir = REPO / "bench" / "out" / "router_middle"
     out_dir.mkdir(parents=True, exist_ok=True)
     trees = [("this tree", None), *([(args.ab_src, args.ab_src)] if args.ab_src else [])]
-    print(f"{args.workers} workers, {args.policy}{', PSRL headers' if args.psrl else ''}", flush=True)
+    psrl = ", PSRL headers" if args.psrl else ""
+    print(f"{args.workers} workers, {args.policy}{psrl}, /generate prompts of {args.prompt_ids} ids", flush=True)
     results: dict[str, dict[str, int]] = {}
     for load in args.loads:
         for name, src in trees:
-            results.setdefault(load, {})[name] = count(
-                load, args.requests, src, out_dir, args.workers, args.policy, args.psrl
-            )
+            results.setdefault(load, {})[name] = count(load, args.requests, src, out_dir, args)
             print(f"{load:9} {name}: {results[load][name]:,} instructions a request", flush=True)
         if args.ab_src:
             a, b = results[load]["this tree"], results[load][args.ab_src]
             print(f"{load:9} b/a: {b / a:.3f}", flush=True)
     summary = {"requests": args.requests, "workers": args.workers, "policy": args.policy, "psrl": args.psrl}
+    summary["prompt_ids"] = args.prompt_ids
     summary["results"] = results
     (out_dir / "results.json").write_text(json.dumps(summary, indent=2))
 
