@@ -94,7 +94,7 @@ def loads_bounded(raw: bytes | str) -> Any:
         raise JsonBodyError(f"request body has {detail}", detail) from None
 
 
-def loads_token_ids(raw: bytes, field: str) -> Any:
+def loads_token_ids(raw: bytes | str, field: str) -> Any:
     """`loads_bounded(raw)`, except that where the body is an object whose `field` is a flat array of token ids
     (non-negative integer literals below 2**32), that field's value is an array('I') of them.
 
@@ -102,7 +102,7 @@ def loads_token_ids(raw: bytes, field: str) -> Any:
     decodes the rest: the same value as one decode of the body, but the ids never become Python ints, and the
     decoder reads only the rest. A body that is anything else, or whose rest msgspec refuses, takes
     `loads_bounded`'s way and gets its value or its error."""
-    if json_opens(raw) <= MAX_JSON_DEPTH:
+    if isinstance(raw, bytes) and json_opens(raw) <= MAX_JSON_DEPTH:
         taken = json_take_token_ids(raw, field.encode())
         if taken is not None:
             try:

@@ -159,3 +159,8 @@ def test_only_a_surrogate_escape_makes_a_body_need_its_strings_checked() -> None
     assert may_hold_surrogates(b'{"content": "ok \\ud800"}') and may_hold_surrogates(b'["\\uDFFF"]')
     assert may_hold_surrogates(b'["\\ud83d\\ude00"]')  # a pair: checked, and found valid
     assert not may_hold_surrogates('{"content": "caf\u00e9 \U0001f600 \\u00e9 \\uE000"}'.encode())
+
+
+def test_token_ids_of_text_already_decoded_are_loads_bounded_value() -> None:
+    """A str (a JSON-holding field's text) takes loads_bounded's way: the ids as a list."""
+    assert loads_token_ids('{"input_ids": [1, 2], "a": "é"}', "input_ids") == {"input_ids": [1, 2], "a": "é"}
