@@ -215,7 +215,7 @@ static PyObject *json_opens(PyObject *module, PyObject *data) {
 
 PyDoc_STRVAR(json_take_token_ids_doc,
              "json_take_token_ids(data, key, /) -> tuple[array('I'), bytes] | None\n\n"
-             "The token ids of the field `key` (bytes) of the JSON object `data` (bytes), taken out: the ids as\n"
+             "The token ids of the field `key` (str) of the JSON object `data` (bytes), taken out: the ids as\n"
              "an array('I'), and `data` with that field's value written as []. Only where the value is a\n"
              "non-empty array of integer literals in [0, 2**32) with JSON's syntax (no sign, fraction, exponent\n"
              "or leading zero), the object has that key once and no key written with an escape, and its structure\n"
@@ -315,10 +315,12 @@ static const uint8_t *read_ids(const uint8_t *p, uint8_t *out, Py_ssize_t *count
     }
 }
 
-/* Reads the object that `data` (to end) holds, to its end: the ids of `key`'s value into out (see read_ids),
- * and that value's span into *value and *value_end. 0 where the object cannot be followed, lacks the key, has
- * it twice, has a key written with an escape (which could spell it), or where its value is not ids. */
-static int take_field(const uint8_t *p, const uint8_t *end, const char *key, Py_ssize_t key_len, uint8_t *out,
+/* Reads the object that `data` (to end) holds, to its end: the ids of `key`'s value into a new bytes object
+ * *ids (4 bytes an id; see read_ids), their count into *count, and that value's span into *value and
+ * *value_end. 1 when taken; 0 where the object cannot be followed, lacks the key, has it twice, has a key
+ * written with an escape (which could spell it), or where the key's value is not ids; -1 with an exception
+ * set where *ids could not be made. Whatever it returns, *ids is the caller's to release (NULL or not). */
+static int take_field(const uint8_t *p, const uint8_t *end, const char *key, Py_ssize_t key_len, PyObject **ids,
                       Py_ssize_t *count, const uint8_t **value, const uint8_t **value_end) {
     *value = NULL;
     p = skip_space(p);
@@ -343,8 +345,12 @@ static int take_field(const uint8_t *p, const uint8_t *end, const char *key, Py_
             if (*value != NULL) {
                 return 0;
             }
+            /* Room for the most ids the text left can hold: every id but the last takes a digit and a comma. */
+            if ((*ids = PyBytes_FromStringAndSize(NULL, 4 * ((end - p) / 2 + 1))) == NULL) {
+                return -1;
+            }
             *value = p;
-            if ((p = *value_end = read_ids(p, out, count)) == NULL) {
+            if ((p = *value_end = read_ids(p, (uint8_t *)PyBytes_AS_STRING(*ids), count)) == NULL) {
                 return 0;
             }
         } else if ((p = skip_value(p, end)) == NULL) {
@@ -360,8 +366,8 @@ static int take_field(const uint8_t *p, const uint8_t *end, const char *key, Py_
 
 static PyObject *json_take_token_ids(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (nargs != 2 || !PyBytes_Check(args[0]) || !PyBytes_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "json_take_token_ids() takes two bytes: data and key");
+    if (nargs != 2 || !PyBytes_Check(args[0]) || !PyUnicode_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "json_take_token_ids() takes data (bytes) and a key (str)");
         return NULL;
     }
     if (array_type == NULL) {
@@ -375,18 +381,22 @@ static PyObject *json_take_token_ids(PyObject *module, PyObject *const *args, Py
             return NULL;
         }
     }
-    const uint8_t *data = (const uint8_t *)PyBytes_AS_STRING(args[0]);
-    Py_ssize_t size = PyBytes_GET_SIZE(args[0]);
-    /* Every id but the last takes a digit and a comma at least. */
-    PyObject *ids = PyBytes_FromStringAndSize(NULL, 4 * (size / 2 + 1));
-    if (ids == NULL) {
+    Py_ssize_t key_len;
+    const char *key = PyUnicode_AsUTF8AndSize(args[1], &key_len); /* an ASCII str's own bytes: no copy */
+    if (key == NULL) {
         return NULL;
     }
+    const uint8_t *data = (const uint8_t *)PyBytes_AS_STRING(args[0]);
+    Py_ssize_t size = PyBytes_GET_SIZE(args[0]);
+    PyObject *ids = NULL;
     Py_ssize_t count = 0;
     const uint8_t *start = NULL, *stop = NULL;
-    if (!take_field(data, data + size, PyBytes_AS_STRING(args[1]), PyBytes_GET_SIZE(args[1]),
-                    (uint8_t *)PyBytes_AS_STRING(ids), &count, &start, &stop)) {
-        Py_DECREF(ids);
+    int taken = take_field(data, data + size, key, key_len, &ids, &count, &start, &stop);
+    if (taken <= 0) {
+        Py_XDECREF(ids);
+        if (taken < 0) {
+            return NULL;
+        }
         Py_RETURN_NONE;
     }
     PyObject *result = NULL, *array = NULL;

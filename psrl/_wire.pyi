@@ -13,9 +13,10 @@ def json_opens(data: bytes, /) -> int:
     """How many '[' and '{' bytes `data` holds: the brackets a JSON text opens, at most (those inside strings
     count too). A text that opens n cannot nest deeper than n. TypeError for anything but bytes."""
 
-def json_take_token_ids(data: bytes, key: bytes, /) -> tuple[array[int], bytes] | None:
+def json_take_token_ids(data: bytes, key: str, /) -> tuple[array[int], bytes] | None:
     """The token ids of the field `key` of the JSON object `data`, taken out: the ids as an array('I'), and `data`
     with that field's value written as []. Only where the value is a non-empty array of integer literals in
     [0, 2**32) with JSON's syntax (no sign, fraction, exponent or leading zero), the object has that key once and
     no key written with an escape, and its structure can be followed (brackets, strings, commas). The rest is not
-    checked: a JSON decoder reads it. None for anything else. TypeError unless both are bytes."""
+    checked: a JSON decoder reads it. None for anything else. TypeError for data that is not bytes or a key that is
+    not a str."""

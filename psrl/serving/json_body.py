@@ -103,7 +103,7 @@ def loads_token_ids(raw: bytes | str, field: str) -> Any:
     decoder reads only the rest. A body that is anything else, or whose rest msgspec refuses, takes
     `loads_bounded`'s way and gets its value or its error."""
     if isinstance(raw, bytes) and json_opens(raw) <= MAX_JSON_DEPTH:
-        taken = json_take_token_ids(raw, field.encode())
+        taken = json_take_token_ids(raw, field)
         if taken is not None:
             try:
                 body = _FAST_DECODER.decode(taken[1])

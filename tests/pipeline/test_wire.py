@@ -190,7 +190,7 @@ def test_json_take_token_ids_reads_as_json_does() -> None:
     array of ids is taken: the way a /generate request's prompt is read."""
     taken = 0
     for raw in _bodies(random.Random(11)):
-        got = json_take_token_ids(raw, b"input_ids")
+        got = json_take_token_ids(raw, "input_ids")
         try:
             value = json.loads(raw)
         except ValueError:
@@ -215,9 +215,11 @@ def test_json_take_token_ids_reads_as_json_does() -> None:
 def test_json_take_token_ids_of_a_long_prompt() -> None:
     long_prompt = list(range(0, 2**32, 2**32 // 30_000))
     raw = json.dumps({"model": "m", "input_ids": long_prompt, "sampling_params": {"n": 2}}).encode()
-    got = json_take_token_ids(raw, b"input_ids")
+    got = json_take_token_ids(raw, "input_ids")
     assert got is not None and got[0].tolist() == long_prompt
     assert got[1] == b'{"model": "m", "input_ids": [], "sampling_params": {"n": 2}}'
-    for wrong in (("{}", b"k"), (b"{}", "k"), (b"{}",)):
-        with pytest.raises(TypeError, match="takes two bytes"):
+    accented = json_take_token_ids('{"prompt": "x", "é_ids": [4, 5]}'.encode(), "é_ids")  # the key's UTF-8
+    assert accented is not None and accented[0].tolist() == [4, 5]
+    for wrong in (("{}", "k"), (b"{}", b"k"), (b"{}",)):
+        with pytest.raises(TypeError, match=r"takes data \(bytes\) and a key \(str\)"):
             json_take_token_ids(*wrong)  # type: ignore[arg-type]
