@@ -6,6 +6,7 @@ polls, read as grpc.aio reads them."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -165,6 +166,24 @@ def test_generate_with_logprobs_is_what_vllm_sampled(router, vllm) -> None:
     assert [tid for _, tid in meta["output_token_logprobs"]] == want.ids
     assert [round(lp, 3) for lp, _ in meta["output_token_logprobs"]] == [round(lp, 3) for lp in want.logprobs]
     assert meta["output_token_versions"] == [0] * 8
+
+
+def test_a_long_prompt_spaced_any_way_reaches_vllm_whole(router, tok, vllm) -> None:
+    """/generate reads `input_ids` from the body's digits (psrl._wire.json_take_token_ids): a prompt of 1,500 ids
+    across the vocabulary, spaced as a pretty-printer writes JSON, reaches vLLM as sent (its greedy output is
+    vLLM's own answer for those ids) and comes back whole in prompt_token_ids."""
+    prompt = [(i * 7919) % tok.vocab_size for i in range(1500)]
+    want = greedy(vllm, prompt, 8)
+    body = {
+        "input_ids": prompt,
+        "return_prompt_token_ids": True,
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True},
+    }
+    raw = json.dumps(body, indent=1).encode()
+    headers = {"content-type": "application/json"}
+    out = httpx.post(f"{router.url}/generate", content=raw, headers=headers, timeout=120).json()
+    assert out["output_ids"] == want.ids
+    assert out["meta_info"]["prompt_tokens"] == len(prompt) and out["meta_info"]["prompt_token_ids"] == prompt
 
 
 def test_completions_text_and_token_prompts(client, model, tok, vllm) -> None:
