@@ -1,8 +1,9 @@
 """Instructions per request of the router's middle alone, counted by valgrind's callgrind.
 
 The router's app is built in this process with --workers workers (two by default) under --policy (round_robin),
-and its edges are replaced by ones that answer at once: for `generate`, the gRPC client's call returns a complete
-Generate frame (gRPC workers); for `proxied`, the HTTP client returns a fixed chat answer (HTTP-only workers).
+and its edges are replaced by ones that answer at once: for `generate` and `chat` (a chat of 200 words, `max_tokens: 1`,
+as router_overhead.py's grpc section sends), the gRPC client's call returns a complete Generate frame (gRPC workers);
+for `proxied`, the HTTP client returns a fixed chat answer (HTTP-only workers).
 Requests then go through the app's own routing (`App.handle`), so what runs is everything between our HTTP server
 and our clients: the endpoint wrapper, the pipeline, selection, metrics, the answer's shape. No sockets, no
 event-loop waits. The
@@ -16,7 +17,7 @@ so it weighs a change of the middle in a few minutes. It counts work, not time: 
 connection also depends on the caches it finds (docs/performance.md, "The edges and the middle").
 
 Run from the repo root with the venv active (valgrind must be installed):
-    python bench/router_middle.py                        # both loads, this tree (~3 min)
+    python bench/router_middle.py                        # every load, this tree
     python bench/router_middle.py --ab-src /tmp/old      # also another tree (git archive + _proto + the .so)
     python bench/router_middle.py --workers 64           # what a request costs in front of a larger fleet
     python bench/router_middle.py --loads generate --prompt-ids 3000   # a /generate of a longer prompt
@@ -38,7 +39,7 @@ from router_instructions import read_dump
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-LOADS = ("generate", "proxied")
+LOADS = ("generate", "chat", "proxied")
 WARMUP = 50
 
 
@@ -49,9 +50,9 @@ def warmup(workers: int) -> int:
     return max(WARMUP, 2 * workers)
 
 
-def _generate_app(workers: int, policy: str, prompt_ids: int) -> tuple[Any, str, bytes, list[str]]:
-    """The app with gRPC workers whose Generate answers at once; the path, the body (a prompt of `prompt_ids` ids),
-    and each call's target."""
+def _generate_app(workers: int, policy: str, prompt_ids: int, chat: bool) -> tuple[Any, str, bytes, list[str]]:
+    """The app with gRPC workers whose Generate answers at once; the path, the body (for `chat`, a chat of 200 words
+    with `max_tokens: 1`, else a `/generate` of `prompt_ids` ids), and each call's target."""
     from smg_grpc_proto.generated import vllm_engine_pb2
 
     from psrl.router.app import RouterApp
@@ -98,6 +99,10 @@ def _generate_app(workers: int, policy: str, prompt_ids: int) -> tuple[Any, str,
             pass
 
     app.clients._streams = Streams()  # the gRPC edge
+    if chat:
+        words = " ".join(f"word{i}" for i in range(200))
+        body = {"model": "tiny", "messages": [{"role": "user", "content": words}], "max_tokens": 1}
+        return app, "/v1/chat/completions", json.dumps(body).encode(), reached
     ids = [3 + (i * 37) % 600 for i in range(prompt_ids)]
     body = {"model": "tiny", "input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
     return app, "/generate", json.dumps(body).encode(), reached
@@ -147,8 +152,8 @@ def child(
     from psrl.serving import server
     from psrl.serving.http1 import Request
 
-    if load == "generate":
-        app, path, body, reached = _generate_app(workers, policy, prompt_ids)
+    if load in ("generate", "chat"):
+        app, path, body, reached = _generate_app(workers, policy, prompt_ids, load == "chat")
     else:
         app, path, body, reached = _proxied_app(workers, policy)
     # The GC as the router's server sets it once it listens. A tree given to --ab-src from before 7 December 2026
