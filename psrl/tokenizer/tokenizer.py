@@ -10,6 +10,7 @@ import functools
 import hashlib
 import io
 import json
+import marshal
 import re
 import tempfile
 import zipfile
@@ -28,6 +29,14 @@ ENCODE_CACHE_ENTRIES = 1024
 _INVALID_PREFIX = "Invalid prefix encountered"  # how DecodeStream.step's refusal of a window begins
 # Texts longer than this are encoded without the cache: 1024 long-context prompts would hold gigabytes.
 ENCODE_CACHE_MAX_CHARS = 32_768
+# The chat template's renders, by their inputs (written with marshal); inputs longer than this are not kept.
+RENDER_CACHE_ENTRIES = 1024
+RENDER_CACHE_MAX_BYTES = 32_768
+# What a template can call that does not give the same text every time (the clock, jinja's random filter and
+# lorem ipsum): a template that names one is rendered every time.
+_UNSTEADY = ("strftime_now", "random", "lipsum")
+# marshal's format 2 writes every value whole (later formats refer back to objects seen twice, by reference count).
+_MARSHAL_VERSION = 2
 
 
 class TokenizerLoadError(RuntimeError):
@@ -74,6 +83,8 @@ class Tokenizer:
         self.bos_token: str | None = _token_content(config.get("bos_token"))
         self.pad_token: str | None = _token_content(config.get("pad_token"))
         self._encode_cached = functools.lru_cache(maxsize=ENCODE_CACHE_ENTRIES)(self._encode_uncached)
+        self._render_cached = functools.lru_cache(maxsize=RENDER_CACHE_ENTRIES)(self._render_marshalled)
+        self._renders_keep = isinstance(template, str) and not any(name in template for name in _UNSTEADY)
 
     # ---- loading -------------------------------------------------------------------------------
 
@@ -180,13 +191,38 @@ class Tokenizer:
         tools: Sequence[dict[str, Any]] | None = None,
         **extra: Any,
     ) -> str:
+        """The template's text for these messages. RL rollouts send each prompt many times (a group of samples),
+        so recent renders are kept, by their inputs written with marshal: its bytes read back as the same values
+        (dicts in their order, a float apart from an int, a bool from an int), so two inputs share a render only
+        if the template could not tell them apart. Inputs marshal cannot write (only objects not from JSON) and
+        long ones render each time."""
         taken = TEMPLATE_CALL_ARGS.intersection(extra)
         if taken:
             raise ChatTemplateError(f"template variables {sorted(taken)} are set by the template call itself")
+        inputs = (list(messages), list(tools) if tools else None, add_generation_prompt, extra)
+        if self._renders_keep:
+            try:
+                key = marshal.dumps(inputs, _MARSHAL_VERSION)
+            except ValueError:  # an object marshal cannot write
+                key = b""
+            if 0 < len(key) <= RENDER_CACHE_MAX_BYTES:
+                return self._render_cached(key)
+        return self._render(*inputs)
+
+    def _render_marshalled(self, key: bytes) -> str:
+        return self._render(*marshal.loads(key))
+
+    def _render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+        extra: dict[str, Any],
+    ) -> str:
         try:
             return self._template.render(
-                messages=list(messages),
-                tools=list(tools) if tools else None,
+                messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",

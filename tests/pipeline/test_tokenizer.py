@@ -170,3 +170,94 @@ def test_long_texts_bypass_the_encode_cache(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode(long_text)
     assert tokenizer._encode_cached.cache_info().currsize == before  # not kept
     assert ids == list(tokenizer._encode_uncached(long_text, False))
+
+
+def _with_template(tokenizer: Tokenizer, template: str) -> Tokenizer:
+    return Tokenizer(tokenizer._hf, {"chat_template": template})
+
+
+def test_a_repeated_chat_renders_once(tokenizer: Tokenizer) -> None:
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    fresh = _with_template(tokenizer, tokenizer._template_text or "")
+    first = fresh.apply_chat_template(msgs, tools=tools)
+    assert fresh._render_cached.cache_info().misses == 1
+    for _ in range(3):
+        assert fresh.apply_chat_template(msgs, tools=tools) == first
+    assert fresh._render_cached.cache_info().hits == 3
+    assert first == fresh._render(msgs, tools, True, {})
+    # what else the template reads is part of what is kept
+    assert fresh.apply_chat_template(msgs, tools=tools, add_generation_prompt=False) != first
+    assert fresh.apply_chat_template(msgs) != first
+
+
+def test_kept_renders_follow_the_messages_as_they_are_now(tokenizer: Tokenizer) -> None:
+    msgs = [{"role": "user", "content": "one"}]
+    assert "one" in tokenizer.apply_chat_template(msgs)
+    msgs[0]["content"] = "two"  # a caller may change its messages after a render
+    assert "two" in tokenizer.apply_chat_template(msgs)
+    msgs.append({"role": "assistant", "content": "three"})
+    assert "three" in tokenizer.apply_chat_template(msgs)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [1, 1.0, True, "1", None],  # equal, or alike in JSON, but rendered apart
+        [0.0, -0.0, False, 0, ""],
+        [[1, 2], {"1": 2}, {"a": 1, "b": 2}, {"b": 2, "a": 1}],  # a dict's order is what the template iterates
+    ],
+)
+def test_inputs_a_template_tells_apart_get_their_own_render(tokenizer: Tokenizer, values: list[object]) -> None:
+    tok = _with_template(tokenizer, "{{ messages[0]['content'] }}:{{ value }}:{{ value | tojson }}")
+    msgs = [{"role": "user", "content": "x"}]
+    for _ in range(2):
+        for value in values:
+            assert tok.apply_chat_template(msgs, value=value) == tok._render(msgs, None, True, {"value": value})
+
+
+def test_errors_are_not_kept(tokenizer: Tokenizer) -> None:
+    refusing = "{% if messages[0]['content'] == 'no' %}{{ raise_exception('refused') }}{% endif %}ok"
+    tok = _with_template(tokenizer, refusing)
+    for _ in range(2):
+        with pytest.raises(ChatTemplateError, match="refused"):
+            tok.apply_chat_template([{"role": "user", "content": "no"}])
+    assert tok.apply_chat_template([{"role": "user", "content": "yes"}]) == "ok"
+    assert tok._render_cached.cache_info().currsize == 1
+
+
+def test_a_template_that_reads_the_clock_renders_every_time(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from datetime import datetime
+
+    days = iter([datetime(2026, 12, 6), datetime(2026, 12, 7)])
+
+    class Clock:
+        @staticmethod
+        def now() -> datetime:
+            return next(days)
+
+    monkeypatch.setattr(tokenizer_module, "datetime", Clock)
+    tok = _with_template(tokenizer, "Today: {{ strftime_now('%d %b %Y') }}. {{ messages[0]['content'] }}")
+    msgs = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(msgs) == "Today: 06 Dec 2026. hi"
+    assert tok.apply_chat_template(msgs) == "Today: 07 Dec 2026. hi"
+    assert tok._render_cached.cache_info().currsize == 0
+    for unsteady in ("{{ messages | random }}", "{{ lipsum(1) }}"):
+        assert not _with_template(tokenizer, unsteady)._renders_keep
+
+
+def test_long_or_unwritable_inputs_render_without_the_cache(tokenizer: Tokenizer) -> None:
+    from psrl.tokenizer.tokenizer import RENDER_CACHE_MAX_BYTES
+
+    tok = _with_template(tokenizer, "{{ messages[0]['content'] | length }} {{ value }}")
+    long_msgs = [{"role": "user", "content": "x" * RENDER_CACHE_MAX_BYTES}]
+    assert tok.apply_chat_template(long_msgs, value=1) == f"{RENDER_CACHE_MAX_BYTES} 1"
+
+    class Named:  # not a JSON value: marshal cannot write it
+        def __str__(self) -> str:
+            return "named"
+
+    assert tok.apply_chat_template([{"role": "user", "content": "ab"}], value=Named()) == "2 named"
+    assert tok._render_cached.cache_info().currsize == 0
