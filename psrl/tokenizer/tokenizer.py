@@ -14,6 +14,7 @@ import marshal
 import re
 import tempfile
 import zipfile
+from array import array
 from collections.abc import Sequence
 from datetime import datetime
 from functools import cached_property
@@ -82,7 +83,7 @@ class Tokenizer:
         self.eos_token: str | None = _token_content(config.get("eos_token"))
         self.bos_token: str | None = _token_content(config.get("bos_token"))
         self.pad_token: str | None = _token_content(config.get("pad_token"))
-        self._encode_cached = functools.lru_cache(maxsize=ENCODE_CACHE_ENTRIES)(self._encode_uncached)
+        self._encode_cached = functools.lru_cache(maxsize=ENCODE_CACHE_ENTRIES)(self._encode_array)
         self._render_cached = functools.lru_cache(maxsize=RENDER_CACHE_ENTRIES)(self._render_marshalled)
         self._renders_keep = isinstance(template, str) and not any(name in template for name in _UNSTEADY)
 
@@ -146,12 +147,22 @@ class Tokenizer:
         """Raises InvalidTextError for text that is not valid Unicode (a lone surrogate)."""
         # RL rollouts send each prompt many times (a group of samples per prompt): remember recent encodings.
         if len(text) > ENCODE_CACHE_MAX_CHARS:
-            return list(self._encode_uncached(text, add_special_tokens))
-        return list(self._encode_cached(text, add_special_tokens))
+            return self._encode_list(text, add_special_tokens)
+        return self._encode_cached(text, add_special_tokens).tolist()
 
-    def _encode_uncached(self, text: str, add_special_tokens: bool) -> tuple[int, ...]:
+    def encode_ids(self, text: str, add_special_tokens: bool = False) -> array[int]:
+        """As `encode`, in an array('I'), 4 bytes an id: a prompt the router sends, which is packed as it is and
+        never needs an int per id. A copy of the kept encoding (a memcpy): the caller may change it."""
+        if len(text) > ENCODE_CACHE_MAX_CHARS:
+            return self._encode_array(text, add_special_tokens)
+        return array("I", self._encode_cached(text, add_special_tokens))
+
+    def _encode_array(self, text: str, add_special_tokens: bool) -> array[int]:
+        return array("I", self._encode_list(text, add_special_tokens))
+
+    def _encode_list(self, text: str, add_special_tokens: bool) -> list[int]:
         try:
-            return tuple(self._hf.encode(text, add_special_tokens=add_special_tokens).ids)
+            return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
         except (TypeError, ValueError):  # the library's answer to a str with no UTF-8 form: diagnosed only then
             position = lone_surrogate_at(text) if isinstance(text, str) else None
             if position is None:

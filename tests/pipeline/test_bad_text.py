@@ -49,7 +49,7 @@ async def test_a_text_prompt_with_a_surrogate_is_refused_when_parsed_and_when_to
         parse_completion({"prompt": ["ok", "x\ud800"]})
     assert exc.value.param == "prompt[1]"
     ok, bad = "ok", "x\ud800"
-    assert await text_prompt_ids(ok, tok) == tok.encode("ok")
+    assert (await text_prompt_ids(ok, tok)).tolist() == tok.encode("ok")
     with pytest.raises(BadRequest) as exc:
         await text_prompt_ids(bad, tok)
     assert exc.value.param == "prompt" and "lone surrogate" in exc.value.message

@@ -169,7 +169,7 @@ def test_long_texts_bypass_the_encode_cache(tokenizer: Tokenizer) -> None:
     before = tokenizer._encode_cached.cache_info().currsize
     ids = tokenizer.encode(long_text)
     assert tokenizer._encode_cached.cache_info().currsize == before  # not kept
-    assert ids == list(tokenizer._encode_uncached(long_text, False))
+    assert ids == tokenizer._encode_list(long_text, False)
 
 
 def _with_template(tokenizer: Tokenizer, template: str) -> Tokenizer:
@@ -261,3 +261,16 @@ def test_long_or_unwritable_inputs_render_without_the_cache(tokenizer: Tokenizer
 
     assert tok.apply_chat_template([{"role": "user", "content": "ab"}], value=Named()) == "2 named"
     assert tok._render_cached.cache_info().currsize == 0
+
+
+def test_encode_ids_are_the_encoding_in_fresh_arrays(tokenizer: Tokenizer) -> None:
+    from array import array
+
+    from psrl.tokenizer.tokenizer import ENCODE_CACHE_MAX_CHARS
+
+    for text in ("the same prompt, many samples", "The quick brown fox. " * (ENCODE_CACHE_MAX_CHARS // 20)):
+        first = tokenizer.encode_ids(text)
+        assert isinstance(first, array) and first.typecode == "I"
+        assert first.tolist() == tokenizer.encode(text) == tokenizer._encode_list(text, False)
+        first.append(0)  # the caller's own copy
+        assert tokenizer.encode_ids(text).tolist() == tokenizer.encode(text)

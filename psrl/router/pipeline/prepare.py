@@ -32,16 +32,16 @@ def new_request_id(prefix: str) -> str:
             _unread_ids.extend(block[start : start + 32] for start in range(0, len(block), 32))
 
 
-async def _encode(tokenizer: Tokenizer, text: str, param: str) -> list[int]:
+async def _encode(tokenizer: Tokenizer, text: str, param: str) -> TokenIds:
     try:
         if len(text) > _OFF_LOOP_CHARS:
-            return await asyncio.to_thread(tokenizer.encode, text)
-        return tokenizer.encode(text)
+            return await asyncio.to_thread(tokenizer.encode_ids, text)
+        return tokenizer.encode_ids(text)
     except InvalidTextError as e:  # diagnosed only on failure: valid text pays nothing for the check
         raise BadRequest(f"{param}: {e}", param=param) from None
 
 
-async def chat_prompt_ids(chat: ChatRequest, tokenizer: Tokenizer) -> list[int]:
+async def chat_prompt_ids(chat: ChatRequest, tokenizer: Tokenizer) -> TokenIds:
     def render() -> str:
         return tokenizer.apply_chat_template(
             chat.messages,
