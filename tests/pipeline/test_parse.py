@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from array import array
+
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2
 
@@ -94,6 +97,11 @@ def test_seed_minus_one_is_no_seed_as_in_vllm() -> None:
 def test_completion_prompt_forms() -> None:
     assert P.parse_completion({"prompt": "x"}).prompts == ["x"]
     assert P.parse_completion({"prompt": [1, 2]}).prompts == [[1, 2]]
+    # one prompt's ids as the read stage gives them (psrl.serving.loads_token_ids)
+    read = P.parse_json_body(b'{"prompt": [1, 2], "max_tokens": 3}', 1 << 20, "prompt")
+    assert P.parse_completion(read).prompts == [array("I", [1, 2])]
+    for batch in (b'{"prompt": [[1], [2, 3]]}', b'{"prompt": ["a", "b"]}'):  # read as JSON
+        assert P.parse_completion(P.parse_json_body(batch, 1 << 20, "prompt")).prompts == json.loads(batch)["prompt"]
     assert P.parse_completion({"prompt": [[1], [2, 3]]}).prompts == [[1], [2, 3]]
     assert P.parse_completion({"prompt": ["a", "b"]}).prompts == ["a", "b"]
     assert P.parse_completion({"prompt": "x"}).sampling.max_tokens == 16  # OpenAI's default

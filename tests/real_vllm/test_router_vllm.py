@@ -168,10 +168,11 @@ def test_generate_with_logprobs_is_what_vllm_sampled(router, vllm) -> None:
     assert meta["output_token_versions"] == [0] * 8
 
 
-def test_a_long_prompt_spaced_any_way_reaches_vllm_whole(router, tok, vllm) -> None:
-    """/generate reads `input_ids` from the body's digits (psrl._wire.json_take_token_ids): a prompt of 1,500 ids
-    across the vocabulary, spaced as a pretty-printer writes JSON, reaches vLLM as sent (its greedy output is
-    vLLM's own answer for those ids) and comes back whole in prompt_token_ids."""
+def test_a_long_prompt_spaced_any_way_reaches_vllm_whole(router, model, tok, vllm) -> None:
+    """/generate reads `input_ids`, and /v1/completions `prompt`, from the body's digits
+    (psrl._wire.json_take_token_ids): a prompt of 1,500 ids across the vocabulary, spaced as a pretty-printer writes
+    JSON, reaches vLLM as sent (its greedy output is vLLM's own answer for those ids) and comes back whole in
+    prompt_token_ids."""
     prompt = [(i * 7919) % tok.vocab_size for i in range(1500)]
     want = greedy(vllm, prompt, 8)
     body = {
@@ -184,6 +185,10 @@ def test_a_long_prompt_spaced_any_way_reaches_vllm_whole(router, tok, vllm) -> N
     out = httpx.post(f"{router.url}/generate", content=raw, headers=headers, timeout=120).json()
     assert out["output_ids"] == want.ids
     assert out["meta_info"]["prompt_tokens"] == len(prompt) and out["meta_info"]["prompt_token_ids"] == prompt
+    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    raw = json.dumps(body, indent=1).encode()
+    out = httpx.post(f"{router.url}/v1/completions", content=raw, headers=headers, timeout=120).json()
+    assert out["choices"][0]["text"] == tok.decode(want.ids) and out["usage"]["prompt_tokens"] == len(prompt)
 
 
 def test_completions_text_and_token_prompts(client, model, tok, vllm) -> None:

@@ -428,6 +428,8 @@ def parse_completion(body: dict[str, Any]) -> CompletionRequest:
     prompts: list[str | TokenIds]
     if isinstance(prompt, str):
         prompts = [check_text(prompt, "prompt")]
+    elif isinstance(prompt, array):  # one prompt's ids, read from the body's digits (`read_completion`)
+        prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         prompts = [check_text(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):

@@ -137,7 +137,8 @@ def read_generate(s: Services, ctx: RequestContext) -> None:
 
 
 def read_completion(s: Services, ctx: RequestContext) -> None:
-    read(s, ctx)
+    """A `prompt` of one prompt's ids as an array('I'), as `read_generate` reads `input_ids`."""
+    read(s, ctx, "prompt")
     ctx.request_id = new_request_id("cmpl")
 
 
