@@ -57,9 +57,9 @@ def _generate_app(workers: int, policy: str, prompt_ids: int, chat: bool) -> tup
 
     from psrl.router.app import RouterApp
     from psrl.router.config import parse_args
-    from psrl.worker.model_folder import build_tiny_model_folder
+    from psrl.tokenizer import build_tiny_tokenizer
 
-    app = RouterApp(parse_args(["--tokenizer-path", str(build_tiny_model_folder()), "--policy", policy]))
+    app = RouterApp(parse_args(["--tokenizer-path", str(build_tiny_tokenizer()), "--policy", policy]))
     for i in range(workers):
         app.registry.create_worker(
             str(i), f"grpc://127.0.0.1:{9000 + i}", models=["tiny"], labels={}, max_context_length=8192
