@@ -35,7 +35,7 @@ RENDER_CACHE_ENTRIES = 1024
 RENDER_CACHE_MAX_BYTES = 32_768
 # What a template can call that does not give the same text every time (the clock, jinja's random filter and
 # lorem ipsum): a template that names one is rendered every time.
-_UNSTEADY = ("strftime_now", "random", "lipsum")
+_UNSTEADY = re.compile(r"\b(?:strftime_now|random|lipsum)\b")
 # marshal's format 2 writes every value whole (later formats refer back to objects seen twice, by reference count).
 _MARSHAL_VERSION = 2
 
@@ -85,7 +85,7 @@ class Tokenizer:
         self.pad_token: str | None = _token_content(config.get("pad_token"))
         self._encode_cached = functools.lru_cache(maxsize=ENCODE_CACHE_ENTRIES)(self._encode_array)
         self._render_cached = functools.lru_cache(maxsize=RENDER_CACHE_ENTRIES)(self._render_marshalled)
-        self._renders_keep = isinstance(template, str) and not any(name in template for name in _UNSTEADY)
+        self._renders_keep = isinstance(template, str) and _UNSTEADY.search(template) is None
 
     # ---- loading -------------------------------------------------------------------------------
 
@@ -205,8 +205,8 @@ class Tokenizer:
         """The template's text for these messages. RL rollouts send each prompt many times (a group of samples),
         so recent renders are kept, by their inputs written with marshal: its bytes read back as the same values
         (dicts in their order, a float apart from an int, a bool from an int), so two inputs share a render only
-        if the template could not tell them apart. Inputs marshal cannot write (only objects not from JSON) and
-        long ones render each time."""
+        if the template could not tell them apart (but by identity: jinja's `sameas` on one dict given twice).
+        Inputs marshal cannot write (only objects not from JSON) and long ones render each time."""
         taken = TEMPLATE_CALL_ARGS.intersection(extra)
         if taken:
             raise ChatTemplateError(f"template variables {sorted(taken)} are set by the template call itself")

@@ -244,8 +244,9 @@ def test_a_template_that_reads_the_clock_renders_every_time(
     assert tok.apply_chat_template(msgs) == "Today: 06 Dec 2026. hi"
     assert tok.apply_chat_template(msgs) == "Today: 07 Dec 2026. hi"
     assert tok._render_cached.cache_info().currsize == 0
-    for unsteady in ("{{ messages | random }}", "{{ lipsum(1) }}"):
+    for unsteady in ("{{ messages | random }}", "{{ lipsum(1) }}", "{{ messages|random}}"):
         assert not _with_template(tokenizer, unsteady)._renders_keep
+    assert _with_template(tokenizer, "{# answer randomly #}{{ messages[0]['content'] }}")._renders_keep
 
 
 def test_long_or_unwritable_inputs_render_without_the_cache(tokenizer: Tokenizer) -> None:
