@@ -23,6 +23,7 @@ from _procs import REPO, Proc, free_port, popen, read_ready_line, start_router
 
 from psrl import _kvx, _wire
 from psrl.gateway.processes import stop_processes
+from psrl.tokenizer import Tokenizer, build_tiny_tokenizer
 
 sys.path.insert(0, str(REPO / "bench"))
 router_instructions = importlib.import_module("router_instructions")
@@ -201,6 +202,10 @@ def test_the_middle_s_loop_runs_the_router_s_requests_to_its_faked_edge(load: st
     assert result["workers_reached"] == workers  # round_robin: every one of them, within 57 requests
     if load == "generate":
         assert result["body"]["output_ids"] == [42] and result["body"]["meta_info"]["prompt_tokens"] == 200
+    elif load == "chat":  # the faked Generate's one token, id 42, as the router detokenizes it
+        text = Tokenizer.from_folder(build_tiny_tokenizer()).decode([42])
+        assert result["body"]["choices"][0]["message"]["content"] == text
+        assert result["body"]["usage"]["completion_tokens"] == 1
     else:
         assert result["body"]["choices"][0]["message"]["content"] == "hi"
 
